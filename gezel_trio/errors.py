@@ -1,0 +1,108 @@
+"""The project's own errors.
+
+Every ``open_*`` boundary unwraps exception groups into one of these, and
+:mod:`gezel_trio.api.errors` maps them to HTTP status codes in one place.
+Each carries an OpenAI-style ``code`` and the HTTP status it becomes.
+"""
+
+from __future__ import annotations
+
+
+class GezelError(Exception):
+    """Base class. ``status`` is the HTTP status the API answers with."""
+
+    status: int = 500
+    code: str = "internal_error"
+    type: str = "server_error"
+
+    def __init__(self, message: str, *, detail: object | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.detail = detail
+
+
+class ConfigError(GezelError):
+    """The configuration is invalid; the message names the key and what is expected."""
+
+    status = 400
+    code = "invalid_config"
+    type = "invalid_request_error"
+
+
+class BadRequest(GezelError):
+    """The request body or its fields are wrong; the message names the field."""
+
+    status = 400
+    code = "invalid_request"
+    type = "invalid_request_error"
+
+
+class UnknownModel(GezelError):
+    status = 404
+    code = "model_not_found"
+    type = "invalid_request_error"
+
+
+class ModelLocked(GezelError):
+    """``lock_model`` is on and the request names another model."""
+
+    status = 409
+    code = "model_locked"
+    type = "invalid_request_error"
+
+
+class QueueFull(GezelError):
+    """The scheduler's bounded queue is full. The API adds ``Retry-After``."""
+
+    status = 503
+    code = "queue_full"
+
+    def __init__(self, message: str, *, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class NoCapacity(GezelError):
+    """The device ledger cannot admit an engine; the message says who holds what."""
+
+    status = 503
+    code = "no_capacity"
+
+
+class EngineNotFound(GezelError):
+    """No llama-server binary could be resolved; the message lists every place tried."""
+
+    status = 503
+    code = "engine_not_found"
+
+
+class EngineFailed(GezelError):
+    """An engine failed to start; the message summarizes its last log lines."""
+
+    status = 503
+    code = "engine_failed"
+
+
+class EngineCrashed(GezelError):
+    """An engine exited (or stopped answering) while a request was in flight."""
+
+    status = 502
+    code = "engine_crashed"
+
+
+class EngineTimeout(GezelError):
+    """The engine did not answer within the configured time."""
+
+    status = 504
+    code = "engine_timeout"
+
+
+class UpstreamError(GezelError):
+    """The engine answered with an error; its status is relayed faithfully."""
+
+    code = "upstream_error"
+
+    def __init__(self, message: str, *, status: int, body: object | None = None) -> None:
+        super().__init__(message, detail=body)
+        self.status = status
+        self.type = "invalid_request_error" if 400 <= status < 500 else "server_error"
