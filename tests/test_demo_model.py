@@ -1,0 +1,225 @@
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import trio
+from gguf import GGUFReader, TokenType
+
+from gezel_trio.engine import demo_model
+from gezel_trio.engine.demo_model import (
+    DEMO_MODEL_FORMAT_VERSION,
+    HIGH_BYTE_TOKEN_IDS,
+    demo_model_path,
+    write_demo_model,
+)
+
+from ._engine_bin import open_llama_server
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _field(reader: GGUFReader, key: str) -> Any:
+    f = reader.get_field(key)
+    assert f is not None, key
+    return f.contents()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_demo_model(tmp_path_factory.mktemp("m") / "tiny.gguf", size="tiny")
+
+
+def test_same_arguments_give_identical_bytes(tmp_path: Path, tiny: Path) -> None:
+    again = write_demo_model(tmp_path / "again.gguf", size="tiny")
+    other_seed = write_demo_model(tmp_path / "seed1.gguf", size="tiny", seed=1)
+    assert _sha(again) == _sha(tiny)
+    assert _sha(other_seed) != _sha(tiny)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again.gguf", "seed1.gguf"]
+
+
+@pytest.mark.parametrize("arch", ["mamba", "qwen35"])
+def test_recurrent_archs_are_deterministic_and_tiny_only(tmp_path: Path, arch: str) -> None:
+    a = write_demo_model(tmp_path / "a.gguf", size="tiny", arch=arch)  # type: ignore[arg-type]
+    b = write_demo_model(tmp_path / "b.gguf", size="tiny", arch=arch)  # type: ignore[arg-type]
+    assert _sha(a) == _sha(b)
+    reader = GGUFReader(a)
+    assert _field(reader, "general.architecture") == arch
+    assert _field(reader, f"{arch}.ssm.state_size") > 0
+    out = next(t for t in reader.tensors if t.name == "output.weight")
+    rows = np.asarray(out.data, dtype=np.float32).reshape(-1, out.data.shape[-1])
+    assert not rows[list(HIGH_BYTE_TOKEN_IDS)].any()
+    with pytest.raises(ValueError, match="tiny"):
+        write_demo_model(tmp_path / "c.gguf", size="small", arch=arch)  # type: ignore[arg-type]
+
+
+def test_sizes(tmp_path: Path, tiny: Path) -> None:
+    assert tiny.stat().st_size < 1_000_000
+    small = write_demo_model(tmp_path / "small.gguf", size="small")
+    assert 40_000_000 < small.stat().st_size < 60_000_000
+    reader = GGUFReader(small)
+    assert _field(reader, "llama.context_length") >= 8192
+    assert _field(GGUFReader(tiny), "llama.context_length") >= 4096
+
+
+def test_vocab_is_spm_with_all_byte_tokens(tiny: Path) -> None:
+    reader = GGUFReader(tiny)
+    assert _field(reader, "general.architecture") == "llama"
+    assert _field(reader, "tokenizer.ggml.model") == "llama"
+    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
+    types: list[int] = _field(reader, "tokenizer.ggml.token_type")
+    index = {t: i for i, t in enumerate(tokens)}
+    assert len(index) == len(tokens), "token strings must be unique"
+    for b in range(256):
+        assert types[index[f"<0x{b:02X}>"]] == TokenType.BYTE
+    assert "<0x0A>" in index
+    assert tokens[_field(reader, "tokenizer.ggml.bos_token_id")] == "<s>"
+    assert tokens[_field(reader, "tokenizer.ggml.eos_token_id")] == "</s>"
+    assert tokens[_field(reader, "tokenizer.ggml.unknown_token_id")] == "<unk>"
+    assert _field(reader, "tokenizer.ggml.add_bos_token") is True
+    assert "\u2581the" in index and "a" in index and "7" in index
+    normal = sum(1 for t in types if t == TokenType.NORMAL)
+    assert normal > 200
+    assert "add_generation_prompt" in _field(reader, "tokenizer.chat_template")
+
+
+def test_high_byte_output_rows_are_zero_and_others_spiky(tiny: Path) -> None:
+    reader = GGUFReader(tiny)
+    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
+    out = next(t for t in reader.tensors if t.name == "output.weight")
+    rows = np.asarray(out.data, dtype=np.float32).reshape(len(tokens), -1)
+    high = [tokens.index(f"<0x{b:02X}>") for b in range(0x80, 0x100)]
+    assert high == list(HIGH_BYTE_TOKEN_IDS)
+    assert not rows[high].any()
+    others = np.array([i for i in range(len(tokens)) if i not in set(high) and i > 2])
+    # Any unit-RMS hidden state: the best other logit is far above the zero rows' 0.
+    rng = np.random.default_rng(7)
+    hidden = rng.standard_normal((64, rows.shape[1])).astype(np.float32)
+    hidden /= np.sqrt((hidden**2).mean(axis=1, keepdims=True))
+    best = (hidden @ rows[others].T).max(axis=1)
+    assert best.min() > 30.0
+
+
+def test_demo_model_path_generates_once_into_xdg_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    path = demo_model_path("tiny")
+    assert path.parent == tmp_path / "xdg" / "gezel-trio" / "models"
+    assert "tiny" in path.name and f"v{DEMO_MODEL_FORMAT_VERSION}" in path.name
+    assert _sha(path) == _sha(write_demo_model(tmp_path / "ref.gguf", size="tiny"))
+
+    def boom(*args: object, **kwargs: object) -> Path:
+        raise AssertionError("regenerated an existing model")
+
+    monkeypatch.setattr(demo_model, "write_demo_model", boom)
+    assert demo_model_path("tiny") == path
+
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert demo_model.default_model_cache_dir() == tmp_path / "home/.cache/gezel-trio/models"
+
+
+def test_racing_writers_leave_one_complete_file(tmp_path: Path, tiny: Path) -> None:
+    target = tmp_path / "race.gguf"
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            write_demo_model(target, size="tiny")
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert _sha(target) == _sha(tiny)
+    assert [p.name for p in tmp_path.iterdir()] == ["race.gguf"]
+
+
+def test_failed_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object) -> None:
+        raise RuntimeError("generator broke")
+
+    monkeypatch.setitem(demo_model._BUILDERS, "llama", broken)
+    with pytest.raises(RuntimeError, match="generator broke"):
+        write_demo_model(tmp_path / "x.gguf", size="tiny")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_rejects_unknown_size_and_arch(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="size"):
+        write_demo_model(tmp_path / "x.gguf", size="huge")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="arch"):
+        write_demo_model(tmp_path / "x.gguf", size="tiny", arch="gpt9")  # type: ignore[arg-type]
+
+
+def _valid_utf8(body: bytes) -> str:
+    return body.decode("utf-8", errors="strict")
+
+
+@pytest.mark.engine
+async def test_tiny_model_chats_through_real_llama_server(tiny: Path) -> None:
+    with trio.fail_after(60):
+        async with (
+            open_llama_server(tiny, parallel=2, ctx=1024) as server,
+            httpx.AsyncClient(base_url=server.base_url, timeout=30) as client,
+        ):
+            for seed in range(6):
+                r = await client.post(
+                    "/v1/chat/completions",
+                    json={
+                        "messages": [{"role": "user", "content": f"hello world {seed}\nhow?"}],
+                        "max_tokens": 200,
+                        "temperature": 1.0,
+                        "seed": seed,
+                    },
+                )
+                assert r.status_code == 200, r.text
+                body = json.loads(_valid_utf8(r.content))
+                assert body["choices"][0]["message"]["content"]
+                assert body["usage"]["completion_tokens"] > 0
+
+            chunks: list[str] = []
+            async with client.stream(
+                "POST",
+                "/v1/chat/completions",
+                json={
+                    "messages": [{"role": "user", "content": "stream please"}],
+                    "max_tokens": 32,
+                    "temperature": 1.0,
+                    "stream": True,
+                },
+            ) as resp:
+                assert resp.status_code == 200
+                raw = b""
+                async for piece in resp.aiter_bytes():
+                    raw += piece
+            for line in _valid_utf8(raw).splitlines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    delta = json.loads(line[6:])["choices"][0]["delta"]
+                    chunks.append(delta.get("content") or "")
+            assert raw.rstrip().endswith(b"data: [DONE]")
+            assert len(chunks) > 2 and "".join(chunks)
+
+            for seed in (11, 12, 13):
+                r = await client.post(
+                    "/completion",
+                    json={"prompt": "the model", "n_predict": 64, "temperature": 1.0, "seed": seed},
+                )
+                assert r.status_code == 200, r.text
+                body = json.loads(_valid_utf8(r.content))
+                assert body["tokens_predicted"] > 0
+                assert isinstance(body["content"], str)
+        assert server.returncode is not None, "llama-server outlived the test"
