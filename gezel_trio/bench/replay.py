@@ -1,0 +1,668 @@
+"""Replay a trace against one endpoint: Trio tasks, an httpx streaming client.
+
+Two modes:
+
+- ``open``: every request is sent at its trace time ``t * time_scale`` whatever
+  happened to the others (arrival-rate load, as the trace was recorded);
+- ``closed``: per session, the first turn goes at its trace time and each next turn
+  ``think_time * time_scale`` after the previous response completed. A sub-agent
+  session starts when its parent's turn ``spawn_after - 1`` completes (with the parent,
+  for ``spawn_after == 0``), and the parent's turn ``spawn_after`` waits for it to end.
+
+A :class:`trio.CapacityLimiter` bounds the requests in flight; ``t_sent`` is when a
+request actually left (after the limiter), ``t_scheduled`` when the trace wanted it.
+TTFT, inter-token latencies and end-to-end latency are measured from ``t_sent``.
+httpx's read timeout is off: a long prefill is never cut; ``request_timeout`` is an
+optional overall deadline per request. A request that fails before any byte of its
+response (a dead keep-alive connection) is retried once; any other failure is recorded
+in the request's ``error`` and the replay goes on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+import sys
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal, TextIO
+
+import httpx
+import trio
+
+from .errors import BenchError
+from .metrics import RequestRecord, SessionTurn, self_reusable_tokens
+from .synth import DEFAULT_VOCAB_LO, Api, PromptSynthesizer, endpoint_path, request_body
+from .synth import request_headers as _headers
+from .traces import Session, Trace, Turn, oracle_tokens
+
+__all__ = [
+    "ModelInfo",
+    "Progress",
+    "ReplayConfig",
+    "ReplayResult",
+    "StreamParser",
+    "probe_model",
+    "run_replay",
+    "warm_up",
+]
+
+Mode = Literal["closed", "open"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplayConfig:
+    """How to replay. ``vocab_hi=None`` asks the endpoint (``/v1/models`` ``n_vocab``);
+    ``time_scale=None`` takes the trace's; ``concurrency=None`` is unbounded."""
+
+    base_url: str
+    api: Api = "llama"
+    model: str | None = None
+    mode: Mode = "closed"
+    concurrency: int | None = None
+    seed: int = 0
+    vocab_lo: int = DEFAULT_VOCAB_LO
+    vocab_hi: int | None = None
+    time_scale: float | None = None
+    connect_timeout: float = 30.0
+    request_timeout: float | None = None
+    warmup: bool = True
+    label: str = ""
+    extra_body: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("closed", "open"):
+            raise BenchError(f"mode must be 'closed' or 'open', not {self.mode!r}")
+        if self.api not in ("llama", "openai"):
+            raise BenchError(f"api must be 'llama' or 'openai', not {self.api!r}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise BenchError("concurrency must be >= 1")
+        if self.time_scale is not None and not self.time_scale > 0:
+            raise BenchError("time_scale must be > 0")
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "base_url": self.base_url,
+            "api": self.api,
+            "model": self.model,
+            "mode": self.mode,
+            "concurrency": self.concurrency,
+            "seed": self.seed,
+            "vocab_lo": self.vocab_lo,
+            "vocab_hi": self.vocab_hi,
+            "time_scale": self.time_scale,
+            "request_timeout": self.request_timeout,
+        }
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    """One target's run: every request's record, the wall duration, and context."""
+
+    label: str
+    config: dict[str, Any]
+    records: list[RequestRecord]
+    duration: float
+    started_at: float
+    synthesis: dict[str, Any] = field(default_factory=dict)
+    model_info: dict[str, Any] = field(default_factory=dict)
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            "label": self.label,
+            "requests": len(self.records),
+            "failed": sum(1 for r in self.records if not r.ok),
+            "duration": self.duration,
+        }
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        return (
+            f"<ReplayResult {self.label!r} requests={s['requests']} failed={s['failed']} "
+            f"duration={self.duration:.2f}s>"
+        )
+
+
+# ----------------------------------------------------------------------- stream parser
+
+
+class StreamParser:
+    """Turns the data lines of one SSE response into a :class:`RequestRecord`'s fields.
+
+    Pure: :meth:`feed` takes one decoded JSON object and the monotonic time it arrived.
+    llama.cpp ``/completion`` chunks carry ``tokens`` (ids) and ``content``; the final
+    one has ``stop: true``, ``tokens_evaluated``, ``tokens_predicted`` and ``timings``.
+    OpenAI chunks carry ``choices[0].text``; the last has ``usage`` (and, from
+    llama-server, ``timings``). A chunk with an ``error`` ends the request as failed.
+    """
+
+    def __init__(self, api: Api) -> None:
+        self.api = api
+        self.token_times: list[float] = []
+        self.output_ids: list[int] = []
+        self.ids_complete = api == "llama"
+        self.prompt_tokens: int | None = None
+        self.cached_tokens: int | None = None
+        self.output_count: int | None = None
+        self.error: str | None = None
+        self.finished = False
+
+    def feed(self, obj: Any, now: float) -> None:
+        if not isinstance(obj, dict):
+            return
+        if "error" in obj:
+            err = obj["error"]
+            msg = err.get("message", err) if isinstance(err, dict) else err
+            self.error = f"stream error: {msg}"
+            return
+        timings = obj.get("timings")
+        if isinstance(timings, dict) and isinstance(timings.get("cache_n"), int):
+            self.cached_tokens = timings["cache_n"]
+        if self.api == "llama":
+            self._feed_llama(obj, now)
+        else:
+            self._feed_openai(obj, now)
+
+    def _feed_llama(self, obj: dict[str, Any], now: float) -> None:
+        tokens = obj.get("tokens")
+        ids = [t for t in tokens if isinstance(t, int)] if isinstance(tokens, list) else []
+        if ids or obj.get("content"):
+            self.token_times.append(now)
+            if ids:
+                self.output_ids.extend(ids)
+            else:
+                self.ids_complete = False
+        if isinstance(obj.get("tokens_evaluated"), int):
+            self.prompt_tokens = obj["tokens_evaluated"]
+        if obj.get("stop") is True:
+            self.finished = True
+            if isinstance(obj.get("tokens_predicted"), int):
+                self.output_count = obj["tokens_predicted"]
+
+    def _feed_openai(self, obj: dict[str, Any], now: float) -> None:
+        choices = obj.get("choices")
+        if isinstance(choices, list) and choices:
+            choice = choices[0] if isinstance(choices[0], dict) else {}
+            if choice.get("text") or choice.get("finish_reason") is None:
+                self.token_times.append(now)
+            if choice.get("finish_reason") is not None:
+                self.finished = True
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            if isinstance(usage.get("prompt_tokens"), int):
+                self.prompt_tokens = usage["prompt_tokens"]
+            if isinstance(usage.get("completion_tokens"), int):
+                self.output_count = usage["completion_tokens"]
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                self.cached_tokens = details["cached_tokens"]
+            self.finished = True
+
+    @property
+    def output_tokens(self) -> int:
+        if self.output_count is not None:
+            return self.output_count
+        return len(self.output_ids) if self.ids_complete else len(self.token_times)
+
+
+# ---------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """A one-line progress report on a text stream (no dependency).
+
+    On a terminal the line is rewritten in place at most every ``interval`` seconds;
+    elsewhere a line is printed at each tenth of the way. ``stream=None`` is silent.
+    """
+
+    def __init__(
+        self,
+        *,
+        total: int,
+        label: str = "",
+        stream: TextIO | None = None,
+        interval: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.total = total
+        self.label = label
+        self.stream = stream
+        self.interval = interval
+        self._clock = clock
+        self._start = clock()
+        self._last = -math.inf
+        self._last_decile = 0
+        self._tty = bool(stream is not None and getattr(stream, "isatty", lambda: False)())
+        self.done = self.failed = self.in_flight = 0
+        self.lines_written = 0
+
+    def line(self) -> str:
+        elapsed = self._clock() - self._start
+        pct = 100.0 * self.done / self.total if self.total else 100.0
+        tag = f"[{self.label}] " if self.label else ""
+        return (
+            f"{tag}{self.done}/{self.total} requests ({pct:.0f}%), {self.failed} failed, "
+            f"{self.in_flight} in flight, {elapsed:.1f}s"
+        )
+
+    def update(self, *, force: bool = False) -> None:
+        if self.stream is None:
+            return
+        now = self._clock()
+        if self._tty:
+            if force or now - self._last >= self.interval:
+                self.stream.write("\r" + self.line() + "\x1b[K")
+                self.stream.flush()
+                self._last = now
+                self.lines_written += 1
+            return
+        decile = (10 * self.done) // self.total if self.total else 10
+        if force or decile > self._last_decile:
+            self._last_decile = decile
+            self.stream.write(self.line() + "\n")
+            self.stream.flush()
+            self.lines_written += 1
+
+    def close(self) -> None:
+        if self.stream is None:
+            return
+        if self._tty:
+            self.update(force=True)
+            self.stream.write("\n")
+            self.stream.flush()
+        elif self._last_decile < 10:
+            self.update(force=True)
+
+
+# ------------------------------------------------------------------------------ probes
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What ``GET /v1/models`` says of the model: vocabulary and per-slot context."""
+
+    model: str | None
+    n_vocab: int | None
+    n_ctx: int | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "n_vocab": self.n_vocab, "n_ctx": self.n_ctx}
+
+
+async def probe_model(client: httpx.AsyncClient, *, model: str | None = None) -> ModelInfo:
+    """Read ``/v1/models``; unknown fields are ``None``. Cancellation propagates."""
+    try:
+        resp = await client.get("/v1/models")
+        data = resp.json() if resp.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        data = {}
+    entries = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        entries = []
+    chosen: dict[str, Any] | None = None
+    for entry in entries:
+        if not isinstance(entry, dict):
+            continue
+        names = {entry.get("id"), *(entry.get("aliases") or [])}
+        if model is None or model in names:
+            chosen = entry
+            break
+    if chosen is None:
+        return ModelInfo(model, None, None)
+    meta = chosen.get("meta") if isinstance(chosen.get("meta"), dict) else {}
+    assert isinstance(meta, dict)
+    n_vocab = meta.get("n_vocab")
+    n_ctx = meta.get("n_ctx")
+    return ModelInfo(
+        str(chosen.get("id")) if chosen.get("id") is not None else model,
+        n_vocab if isinstance(n_vocab, int) else None,
+        n_ctx if isinstance(n_ctx, int) else None,
+    )
+
+
+async def warm_up(
+    client: httpx.AsyncClient, config: ReplayConfig, *, ready_s: float = 120.0
+) -> None:
+    """One tiny completion, so the model is loaded before the clock starts.
+
+    Its prompt uses ids below ``vocab_lo``, which no trace prompt contains, so it can
+    share no prefix with the replay. A 503 (still loading) or a refused connection is
+    retried for ``ready_s`` seconds; anything else that is not a 200 raises
+    :class:`BenchError`.
+    """
+    token = max(1, min(100, config.vocab_lo - 1))
+    body = request_body(
+        api=config.api,
+        prompt=[token, token],
+        output_tokens=1,
+        session="gezel-bench-warmup",
+        model=config.model,
+        seed=config.seed,
+    )
+    last = ""
+    with trio.move_on_after(ready_s):
+        while True:
+            try:
+                async with client.stream(
+                    "POST",
+                    endpoint_path(config.api),
+                    json=body,
+                    headers=_headers("gezel-bench-warmup"),
+                ) as resp:
+                    text = (await resp.aread()).decode("utf-8", "replace")
+            except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            except httpx.HTTPError as exc:
+                raise BenchError(f"warm-up request failed: {type(exc).__name__}: {exc}") from None
+            else:
+                if resp.status_code == 200:
+                    return
+                last = f"HTTP {resp.status_code}: {text[:300]}"
+                if resp.status_code != 503:
+                    raise BenchError(f"warm-up request failed: {last}")
+            await trio.sleep(0.5)
+    raise BenchError(f"warm-up request failed for {ready_s:.0f}s: {last}")
+
+
+# ------------------------------------------------------------------------------ replay
+
+
+def _request_seed(seed: int, turn: Turn) -> int:
+    h = hashlib.blake2b(f"{seed}\x00{turn.session}\x00{turn.index}".encode(), digest_size=4)
+    return int.from_bytes(h.digest(), "little") & 0x7FFFFFFF
+
+
+@asynccontextmanager
+async def _open_client(
+    config: ReplayConfig, client: httpx.AsyncClient | None
+) -> AsyncIterator[httpx.AsyncClient]:
+    if client is not None:
+        yield client
+        return
+    timeout = httpx.Timeout(connect=config.connect_timeout, read=None, write=60.0, pool=None)
+    conns = max(config.concurrency or 64, 4) + 4
+    limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
+    async with httpx.AsyncClient(base_url=config.base_url, timeout=timeout, limits=limits) as c:
+        yield c
+
+
+def _unwrap(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The one exception a caller should see instead of ``group``."""
+    rest = group.subgroup(lambda e: not isinstance(e, trio.Cancelled))
+    if rest is None:
+        return group  # only cancellation: let Trio handle it
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [rest]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, BaseExceptionGroup):
+            stack.extend(e.exceptions)
+        else:
+            leaves.append(e)
+    if len(leaves) == 1:
+        return leaves[0]
+    return BenchError(f"replay failed: {'; '.join(repr(e) for e in leaves[:5])}")
+
+
+class _Replay:
+    def __init__(
+        self,
+        trace: Trace,
+        config: ReplayConfig,
+        client: httpx.AsyncClient,
+        synth: PromptSynthesizer,
+        progress: Progress,
+    ) -> None:
+        self.trace = trace
+        self.config = config
+        self.client = client
+        self.synth = synth
+        self.progress = progress
+        self.time_scale = config.time_scale or trace.time_scale
+        self.limiter = trio.CapacityLimiter(config.concurrency) if config.concurrency else None
+        self.oracle = oracle_tokens(trace)
+        self.prompts: dict[tuple[str, int], list[int]] = {}
+        self.records: dict[tuple[str, int], RequestRecord] = {}
+        for turn in trace.requests():
+            prompt = synth.prompt(turn)
+            self.prompts[turn.key] = prompt
+            self.records[turn.key] = RequestRecord(
+                session=turn.session,
+                turn=turn.index,
+                prompt_tokens_sent=len(prompt),
+                output_tokens_requested=turn.output_tokens,
+                oracle_tokens=self.oracle[turn.key],
+            )
+        self.t0 = 0.0
+        self.last_end = 0.0
+        self.turn_done: dict[tuple[str, int], trio.Event] = {k: trio.Event() for k in self.records}
+        self.session_started = {s.id: trio.Event() for s in trace.sessions}
+        self.session_done = {s.id: trio.Event() for s in trace.sessions}
+        self.children: dict[tuple[str, int], list[str]] = defaultdict(list)
+        for s in trace.sessions:
+            if s.parent is not None:
+                self.children[(s.parent, s.spawn_after or 0)].append(s.id)
+
+    async def run(self) -> float:
+        self.t0 = trio.current_time()
+        self.last_end = self.t0
+        try:
+            async with trio.open_nursery() as nursery:
+                if self.config.mode == "open":
+                    for turn in self.trace.requests():
+                        nursery.start_soon(self._open_request, turn)
+                else:
+                    for session in self.trace.sessions:
+                        nursery.start_soon(self._closed_session, session)
+        except BaseExceptionGroup as group:
+            raise _unwrap(group) from None
+        return self.last_end - self.t0
+
+    async def _open_request(self, turn: Turn) -> None:
+        await trio.sleep_until(self.t0 + turn.t * self.time_scale)
+        await self._send(turn)
+
+    async def _closed_session(self, session: Session) -> None:
+        try:
+            if session.parent is None:
+                await trio.sleep_until(self.t0 + session.start * self.time_scale)
+            elif session.spawn_after:
+                await self.turn_done[(session.parent, session.spawn_after - 1)].wait()
+            else:
+                await self.session_started[session.parent].wait()
+            self.session_started[session.id].set()
+            for i, turn in enumerate(session.turns):
+                for child in self.children.get((session.id, i), ()):
+                    await self.session_done[child].wait()
+                if i > 0 or session.parent is not None:
+                    await trio.sleep(turn.think_time * self.time_scale)
+                await self._send(turn)
+        finally:
+            self.session_started[session.id].set()
+            for turn in session.turns:
+                self.turn_done[turn.key].set()
+            self.session_done[session.id].set()
+
+    async def _send(self, turn: Turn) -> None:
+        record = self.records[turn.key]
+        record.t_scheduled = trio.current_time() - self.t0
+        try:
+            if self.limiter is None:
+                await self._request(turn, record)
+            else:
+                async with self.limiter:
+                    await self._request(turn, record)
+        finally:
+            self.turn_done[turn.key].set()
+            self.last_end = max(self.last_end, trio.current_time())
+            self.progress.in_flight -= 1 if record.t_sent is not None else 0
+            self.progress.done += 1
+            self.progress.failed += 0 if record.ok else 1
+            self.progress.update()
+
+    async def _request(self, turn: Turn, record: RequestRecord) -> None:
+        config = self.config
+        body = request_body(
+            api=config.api,
+            prompt=self.prompts[turn.key],
+            output_tokens=turn.output_tokens,
+            session=turn.session,
+            model=config.model,
+            seed=_request_seed(config.seed, turn),
+            extra=dict(config.extra_body) if config.extra_body else None,
+        )
+        request = self.client.build_request(
+            "POST", endpoint_path(config.api), json=body, headers=_headers(turn.session)
+        )
+        self.progress.in_flight += 1
+        start = trio.current_time()
+        record.t_sent = start - self.t0
+        parser = StreamParser(config.api)
+        try:
+            with trio.fail_after(config.request_timeout or math.inf):
+                resp = await self._send_with_retry(request, record)
+                try:
+                    if resp.status_code != 200:
+                        text = (await resp.aread()).decode("utf-8", "replace")
+                        record.error = f"HTTP {resp.status_code}: {text[:300]}"
+                        return
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        payload = line[5:].strip()
+                        if payload == "[DONE]":
+                            break
+                        try:
+                            obj = json.loads(payload)
+                        except json.JSONDecodeError:
+                            record.error = f"bad stream chunk: {payload[:120]!r}"
+                            return
+                        parser.feed(obj, trio.current_time())
+                        if parser.error is not None:
+                            break
+                finally:
+                    await resp.aclose()
+        except trio.TooSlowError:
+            record.error = f"timed out after {config.request_timeout}s"
+        except httpx.HTTPError as exc:
+            record.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            end = trio.current_time()
+            self._fill(record, parser, start, end)
+
+    async def _send_with_retry(
+        self, request: httpx.Request, record: RequestRecord
+    ) -> httpx.Response:
+        try:
+            return await self.client.send(request, stream=True)
+        except (httpx.RemoteProtocolError, httpx.ConnectError):
+            # Nothing came back: a keep-alive connection the server had closed, or no
+            # connection at all. Safe to send once more.
+            record.retries += 1
+            return await self.client.send(request, stream=True)
+
+    @staticmethod
+    def _fill(record: RequestRecord, parser: StreamParser, start: float, end: float) -> None:
+        times = parser.token_times
+        if times:
+            record.ttft = times[0] - start
+            record.itl = [b - a for a, b in itertools.pairwise(times)]
+        record.prompt_tokens = parser.prompt_tokens
+        record.cached_tokens = parser.cached_tokens
+        record.output_tokens = parser.output_tokens
+        record.output_ids = list(parser.output_ids) if parser.ids_complete else None
+        if record.error is None and parser.error is not None:
+            record.error = parser.error
+        if record.error is None and not times:
+            record.error = "no tokens streamed"
+        if record.error is None:
+            record.e2el = end - start
+
+    def finish(self) -> list[RequestRecord]:
+        entries = []
+        for key, record in self.records.items():
+            if record.ok:
+                ids, count = record.output_ids, record.output_tokens
+            else:  # it may have generated anything up to its length: assume the most
+                ids, count = None, record.output_tokens_requested
+            t_end = None
+            if record.t_sent is not None and record.e2el is not None:
+                t_end = record.t_sent + record.e2el
+            entries.append(
+                SessionTurn(key[0], key[1], self.prompts[key], ids, count, record.t_sent, t_end)
+            )
+        reusable = self_reusable_tokens(entries)
+        out: list[RequestRecord] = []
+        for turn in self.trace.requests():
+            record = self.records[turn.key]
+            record.self_reusable_tokens = reusable[turn.key]
+            out.append(record)
+        return out
+
+
+async def run_replay(
+    trace: Trace,
+    config: ReplayConfig,
+    *,
+    client: httpx.AsyncClient | None = None,
+    progress_stream: TextIO | None = sys.stderr,
+) -> ReplayResult:
+    """Replay ``trace`` against ``config.base_url`` and return every request's record.
+
+    Warms the model up (one tiny request, so loading is not timed), probes it
+    (vocabulary, context), checks every request fits a slot, then replays. Raises
+    :class:`BenchError` before the replay if the trace cannot be synthesized or does
+    not fit. On cancellation every in-flight
+    request is abandoned (its connection closed) and nothing is returned.
+    """
+    if not trace.sessions:
+        raise BenchError("the trace has no requests (check the scaling limits)")
+    async with _open_client(config, client) as http:
+        if config.warmup:
+            await warm_up(http, config)
+        info = await probe_model(http, model=config.model)
+        vocab_hi = config.vocab_hi or info.n_vocab
+        if vocab_hi is None:
+            raise BenchError(
+                f"{config.base_url} does not report its vocabulary size: pass --vocab-hi"
+            )
+        if info.n_vocab is not None and vocab_hi > info.n_vocab:
+            raise BenchError(
+                f"--vocab-hi {vocab_hi} is beyond the model's vocabulary ({info.n_vocab})"
+            )
+        longest = max(t.prompt_tokens + t.output_tokens for t in trace.requests())
+        if info.n_ctx is not None and longest > info.n_ctx:
+            raise BenchError(
+                f"a request needs {longest} tokens but a slot holds {info.n_ctx}: "
+                "lower --max-prompt-tokens / --max-output-tokens or raise the context"
+            )
+        synth = await trio.to_thread.run_sync(
+            lambda: PromptSynthesizer.for_trace(
+                trace, vocab_hi=vocab_hi, vocab_lo=config.vocab_lo, seed=config.seed
+            )
+        )
+        progress = Progress(
+            total=trace.n_requests, label=config.label or config.base_url, stream=progress_stream
+        )
+        replay = _Replay(trace, config, http, synth, progress)
+        started_at = time.time()
+        duration = await replay.run()
+        progress.close()
+        records = replay.finish()
+    described = config.describe()
+    described["vocab_hi"] = vocab_hi
+    described["time_scale"] = replay.time_scale
+    return ReplayResult(
+        label=config.label,
+        config=described,
+        records=records,
+        duration=duration,
+        started_at=started_at,
+        synthesis=synth.statistics(),
+        model_info=info.as_dict(),
+    )

