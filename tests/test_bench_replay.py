@@ -29,7 +29,7 @@ from quart_trio import QuartTrio
 
 from gezel_trio.bench.cli import add_bench_arguments, bench, run_bench
 from gezel_trio.bench.cli import main as bench_main
-from gezel_trio.bench.errors import BenchError, TargetFailed
+from gezel_trio.bench.errors import BenchError
 from gezel_trio.bench.metrics import summarize
 from gezel_trio.bench.replay import Progress, ReplayConfig, StreamParser, run_replay
 from gezel_trio.bench.synth import PromptSynthesizer
@@ -751,21 +751,16 @@ async def test_smoke_replay_against_a_real_llama_server(tmp_path: Path, tiny_mod
     trace = _chat_trace(sessions=3, turns=3, block=2, out=4)
     results = []
     with trio.fail_after(120):
-        try:
-            async with open_target("direct", settings=settings, engine=engine) as endpoint:
-                for seed, api in enumerate(("llama", "openai")):
-                    config = ReplayConfig(
-                        base_url=endpoint.base_url,
-                        api=api,  # type: ignore[arg-type]
-                        mode="closed",
-                        time_scale=0.001,
-                        seed=seed,
-                    )
-                    results.append(await run_replay(trace, config, progress_stream=None))
-        except TargetFailed as exc:
-            if "SIGILL" in exc.message:
-                pytest.skip(f"{engine.path} cannot run on this CPU (SIGILL): {exc.message}")
-            raise
+        async with open_target("direct", settings=settings, engine=engine) as endpoint:
+            for seed, api in enumerate(("llama", "openai")):
+                config = ReplayConfig(
+                    base_url=endpoint.base_url,
+                    api=api,  # type: ignore[arg-type]
+                    mode="closed",
+                    time_scale=0.001,
+                    seed=seed,
+                )
+                results.append(await run_replay(trace, config, progress_stream=None))
     for api, result in zip(("llama", "openai"), results, strict=True):
         m = _check_invariants(trace, result, None, api)
         assert isinstance(m["cross_session_reuse"], int) and m["cross_session_reuse"] >= 0

