@@ -1,0 +1,631 @@
+"""The engine supervisor: one llama-server process per model, the Trio way.
+
+``async with open_engine(...) as engine`` owns a nursery with one task,
+:meth:`Engine._serve`, the only writer of ``engine.state``:
+
+    STOPPED -> STARTING -> READY -> STOPPING -> STOPPED
+                  |          |
+                  v          v
+                FAILED <-----+   (failed start, crash, failed health checks)
+
+Starts are lazy (:meth:`Engine.ensure_ready`), crashes are noticed the moment
+the process exits, repeated failures back off, and stops send SIGTERM then
+SIGKILL after a grace period. Each run of the process lives inside its memory
+reservation (``reserve``), so the reservation is released only after the
+process has exited. Leaving the ``async with`` (shutdown, Ctrl-C, cancellation)
+stops the process under a shielded deadline: no child outlives the host.
+
+External engines (a ``url``) are never spawned or killed: the supervisor only
+health-checks them, and their state says whether they are reachable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import math
+import os
+import signal
+import socket
+import subprocess
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+import trio
+from trio_util import AsyncValue
+
+from ..errors import EngineCrashed, EngineFailed, GezelError
+from .logs import LogRing
+
+
+class EngineState(enum.Enum):
+    STOPPED = "stopped"
+    STARTING = "starting"
+    READY = "ready"
+    STOPPING = "stopping"
+    FAILED = "failed"
+
+
+class ProcessHandle(Protocol):
+    """The part of :class:`trio.Process` the supervisor uses (a fake implements it in tests)."""
+
+    @property
+    def pid(self) -> int: ...
+    @property
+    def returncode(self) -> int | None: ...
+    @property
+    def stdout(self) -> trio.abc.ReceiveStream | None: ...
+    async def wait(self) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def kill(self) -> None: ...
+
+
+Launcher = Callable[[Sequence[str], Mapping[str, str]], Awaitable[ProcessHandle]]
+ArgvBuilder = Callable[[int], tuple[Sequence[str], int]]
+"""Given a port, the argv to run and the parallel slots it configures."""
+ReservationFactory = Callable[[], AbstractAsyncContextManager[object]]
+
+
+async def spawn_process(argv: Sequence[str], env: Mapping[str, str]) -> ProcessHandle:
+    """Start a real process with stdout and stderr merged into one pipe.
+
+    The child gets its own session so a terminal's Ctrl-C reaches only the
+    host, which then stops its engines in order.
+    """
+    proc: ProcessHandle = await trio.lowlevel.open_process(
+        list(argv),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=dict(env),
+        start_new_session=True,
+    )
+    return proc
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@asynccontextmanager
+async def no_reservation() -> AsyncIterator[None]:
+    yield None
+
+
+@dataclass(frozen=True)
+class SupervisorTiming:
+    load_timeout: float = 120.0
+    health_interval: float = 2.0
+    health_timeout: float = 5.0
+    health_failures: int = 3
+    stop_grace: float = 10.0
+    backoff_base: float = 1.0
+    backoff_max: float = 30.0
+    stable_after: float = 30.0
+    """An engine READY this long before it crashes resets the crash streak."""
+    idle_ttl: float = 0.0
+
+
+@dataclass
+class _Attempt:
+    number: int
+    done: trio.Event = field(default_factory=trio.Event)
+    error: GezelError | None = None
+
+    def finish(self, error: GezelError | None = None) -> None:
+        if not self.done.is_set():
+            self.error = error
+            self.done.set()
+
+
+class Engine:
+    """Handle to one supervised (or external) engine. Create with :func:`open_engine`."""
+
+    def __init__(
+        self,
+        *,
+        key: str,
+        model_id: str,
+        argv_builder: ArgvBuilder | None,
+        url: str | None,
+        env: Mapping[str, str],
+        http: httpx.AsyncClient,
+        timing: SupervisorTiming,
+        launcher: Launcher,
+        reserve: ReservationFactory,
+        log_lines: int,
+    ) -> None:
+        if (argv_builder is None) == (url is None):
+            raise ValueError("an engine is either spawned (argv_builder) or external (url)")
+        self.key = key
+        self.model_id = model_id
+        self.external = url is not None
+        self._argv_builder = argv_builder
+        self._env = env
+        self._http = http
+        self.timing = timing
+        self._launcher = launcher
+        self._reserve = reserve
+        self.log = LogRing(log_lines)
+        self.state: AsyncValue[EngineState] = AsyncValue(EngineState.STOPPED)
+        self.failure: str | None = None
+        self.port: int | None = None
+        self.pid: int | None = None
+        self.parallel: int | None = None
+        self.base_url: str | None = url.rstrip("/") if url else None
+        self.generation = 0
+        """Increments every time a new engine process becomes READY (slot ids reset)."""
+        self.starts = 0
+        self.crashes = 0
+        self.crash_streak = 0
+        self.last_crash: str | None = None
+        self.last_crash_at: float | None = None
+        self.ready_at: float | None = None
+        self.last_ready_seconds: float | None = None
+        """Seconds from spawn to /health 200 on the last start (llama-server's own load time)."""
+        self.argv: tuple[str, ...] = ()
+        self._busy = 0
+        self._last_used = trio.current_time()
+        self._attempt_no = 0
+        self._current: _Attempt | None = None
+        self._next = _Attempt(1)
+        self._start_requested = trio.Event()
+        self._stop_requested = trio.Event()
+        self._stopping_on_purpose = False
+        self._wake_monitor = trio.Event()
+
+    def __repr__(self) -> str:
+        where = self.base_url or "-"
+        return f"<Engine {self.key} {self.state.value.value} pid={self.pid} {where}>"
+
+    # ------------------------------------------------------------------ public API
+
+    async def ensure_ready(self) -> None:
+        """Start the engine if it is not READY and wait until it is.
+
+        Raises :class:`EngineFailed` (with the engine's last log lines) when the
+        start fails, or :class:`NoCapacity` when its memory cannot be reserved.
+        Cancelling the caller only stops the waiting: a start already under way
+        goes on, and the next caller finds the engine ready.
+        """
+        while self.state.value is not EngineState.READY:
+            if self._current is not None and not self._current.done.is_set():
+                attempt = self._current
+            else:
+                attempt = self._next
+                self._start_requested.set()
+            await attempt.done.wait()
+            if attempt.error is not None:
+                raise attempt.error
+
+    async def stop(self) -> None:
+        """Stop the engine (SIGTERM, then SIGKILL after the grace) and wait until it is down.
+
+        Idempotent: stopping a stopped or failed engine returns at once. An
+        external engine is never stopped; this only marks it STOPPED.
+        Cancelling the caller abandons the wait; the stop itself goes on.
+        """
+        idle = self._current is None or self._current.done.is_set()
+        if idle and self.state.value not in (EngineState.READY, EngineState.STARTING):
+            return
+        self._stop_requested.set()
+        self._wake_monitor.set()
+        await self.state.wait_value(
+            lambda s: (
+                s in (EngineState.STOPPED, EngineState.FAILED)
+                and (self._current is None or self._current.done.is_set())
+            )
+        )
+
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[None]:
+        """Mark the engine busy for the idle-TTL clock while the block runs."""
+        self._busy += 1
+        try:
+            yield
+        finally:
+            self._busy -= 1
+            self._last_used = trio.current_time()
+
+    @property
+    def busy(self) -> int:
+        return self._busy
+
+    def idle_for(self) -> float:
+        return 0.0 if self._busy else trio.current_time() - self._last_used
+
+    def crash_error(self, detail: str) -> EngineCrashed:
+        """The error a request in flight gets when the engine dies under it."""
+        reason = self.last_crash or detail
+        tail = self.log.summary(4)
+        msg = f"engine for model {self.model_id!r} failed during the request: {reason}"
+        if tail:
+            msg += f" (last log lines: {tail})"
+        return EngineCrashed(msg)
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "model": self.model_id,
+            "external": self.external,
+            "state": self.state.value.value,
+            "failure": self.failure,
+            "pid": self.pid,
+            "port": self.port,
+            "url": self.base_url,
+            "parallel": self.parallel,
+            "generation": self.generation,
+            "starts": self.starts,
+            "crashes": self.crashes,
+            "crash_streak": self.crash_streak,
+            "last_crash": self.last_crash,
+            "busy": self._busy,
+            "load_seconds": self.last_ready_seconds,
+            "argv": list(self.argv),
+            "log_tail": self.log.tail(20),
+        }
+
+    # ------------------------------------------------------------------ the owner task
+
+    async def _serve(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        task_status.started()
+        while True:
+            await self._start_requested.wait()
+            self._start_requested = trio.Event()
+            self._stop_requested = trio.Event()
+            attempt = self._next
+            self._attempt_no += 1
+            self._next = _Attempt(self._attempt_no + 1)
+            self._current = attempt
+            try:
+                if self.external:
+                    await self._run_external(attempt)
+                else:
+                    await self._run_managed(attempt)
+            finally:
+                if not attempt.done.is_set():
+                    attempt.finish(
+                        EngineFailed(f"engine for model {self.model_id!r} was shut down")
+                    )
+
+    def _set(self, state: EngineState, failure: str | None = None) -> None:
+        self.failure = failure
+        self.state.value = state
+
+    async def _backoff(self) -> None:
+        # The first failure restarts at once; repeated ones wait 1 s, 2 s, 4 s ... up to the cap.
+        if self.crash_streak <= 1 or self.last_crash_at is None:
+            return
+        delay = min(
+            self.timing.backoff_max, self.timing.backoff_base * 2 ** (self.crash_streak - 2)
+        )
+        self._set(
+            EngineState.STARTING,
+            f"restart backoff {delay:.1f}s after {self.crash_streak} failure(s)",
+        )
+        with trio.move_on_at(self.last_crash_at + delay):
+            await self._stop_requested.wait()
+
+    def _record_failure(self, reason: str) -> None:
+        now = trio.current_time()
+        if self.ready_at is not None and now - self.ready_at >= self.timing.stable_after:
+            self.crash_streak = 0
+        self.crash_streak += 1
+        self.crashes += 1
+        self.last_crash = reason
+        self.last_crash_at = now
+        self._set(EngineState.FAILED, reason)
+
+    async def _run_managed(self, attempt: _Attempt) -> None:
+        assert self._argv_builder is not None
+        await self._backoff()
+        if self._stop_requested.is_set():
+            self._set(EngineState.STOPPED)
+            attempt.finish(EngineFailed(f"engine for model {self.model_id!r} was stopped"))
+            return
+        self._set(EngineState.STARTING)
+        try:
+            async with self._reserve():
+                await self._run_process(attempt)
+        except GezelError as exc:
+            # A failed reservation (NoCapacity) or plan: the engine never started.
+            if self.state.value is not EngineState.FAILED:
+                self.log.append(f"[gezel] {exc.message}")
+                self._record_failure(exc.message)
+            attempt.finish(exc)
+        finally:
+            self.pid = None
+
+    async def _run_process(self, attempt: _Attempt) -> None:
+        assert self._argv_builder is not None
+        port = free_port()
+        try:
+            argv, parallel = self._argv_builder(port)
+        except GezelError as exc:
+            self._set(EngineState.FAILED, exc.message)
+            attempt.finish(exc)
+            return
+        self.argv = tuple(argv)
+        self.log.append(f"[gezel] starting: {' '.join(argv)}")
+        spawn_at = trio.current_time()
+        try:
+            proc = await self._launcher(argv, self._env)
+        except OSError as exc:
+            reason = f"could not start {argv[0]!r}: {exc}"
+            self.log.append(f"[gezel] {reason}")
+            self._record_failure(reason)
+            attempt.finish(
+                EngineFailed(f"engine for model {self.model_id!r} failed to start: {reason}")
+            )
+            return
+        self.starts += 1
+        self.pid = proc.pid
+        self.port = port
+        self.parallel = parallel
+        self.base_url = f"http://127.0.0.1:{port}"
+        self._stopping_on_purpose = False
+        exited = trio.Event()
+        try:
+            async with trio.open_nursery() as nursery:
+                if proc.stdout is not None:
+                    nursery.start_soon(self.log.pump, proc.stdout)
+                nursery.start_soon(self._watch_exit, proc, exited)
+                try:
+                    await self._wait_healthy(proc, exited)
+                except EngineFailed as exc:
+                    self._record_failure(exc.message)
+                    attempt.finish(exc)
+                    await self._terminate(proc, exited, graceful=False)
+                    nursery.cancel_scope.cancel()
+                    return
+                if self._stop_requested.is_set():
+                    self._stopping_on_purpose = True
+                    self._set(EngineState.STOPPING)
+                    await self._terminate(proc, exited, graceful=True)
+                    self._set(EngineState.STOPPED)
+                    attempt.finish(EngineFailed(f"engine for model {self.model_id!r} was stopped"))
+                    nursery.cancel_scope.cancel()
+                    return
+                self.generation += 1
+                self.ready_at = trio.current_time()
+                self.last_ready_seconds = self.ready_at - spawn_at
+                self._last_used = self.ready_at
+                self.log.append(f"[gezel] ready in {self.last_ready_seconds:.3f}s")
+                self._set(EngineState.READY)
+                attempt.finish()
+                await self._monitor(proc, exited)
+                nursery.cancel_scope.cancel()
+        finally:
+            if proc.returncode is None:
+                # Cancelled (host shutdown) or an unexpected error: never leave the child behind.
+                self._stopping_on_purpose = True
+                with trio.move_on_after(self.timing.stop_grace + 5, shield=True):
+                    self._set(EngineState.STOPPING)
+                    await self._terminate(proc, exited, graceful=True)
+                if proc.returncode is None:  # pragma: no cover - the deadline passed
+                    with contextlib.suppress(OSError):
+                        proc.kill()
+                self._set(EngineState.STOPPED)
+
+    async def _watch_exit(self, proc: ProcessHandle, exited: trio.Event) -> None:
+        code = await proc.wait()
+        exited.set()
+        self.log.append(f"[gezel] process {proc.pid} exited with code {code}")
+        if self._stopping_on_purpose:
+            return
+        if self.state.value is EngineState.READY:
+            self._record_failure(
+                f"engine process exited unexpectedly (code {_describe_code(code)})"
+            )
+            self._wake_monitor.set()
+
+    async def _wait_healthy(self, proc: ProcessHandle, exited: trio.Event) -> None:
+        """Poll ``/health`` until 200, the process exits, a stop is requested or time runs out."""
+        assert self.base_url is not None
+        url = f"{self.base_url}/health"
+        delay = 0.005
+        with trio.move_on_after(self.timing.load_timeout) as scope:
+            while True:
+                if exited.is_set():
+                    code = proc.returncode
+                    raise EngineFailed(
+                        f"engine for model {self.model_id!r} exited during start "
+                        f"(code {_describe_code(code)}): {self.log.summary()}"
+                    )
+                if self._stop_requested.is_set():
+                    return
+                try:
+                    resp = await self._http.get(url, timeout=self.timing.health_timeout)
+                    if resp.status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                # Poll fast while the socket comes up, then back off gently.
+                with trio.move_on_after(delay):
+                    await exited.wait()
+                delay = min(delay * 2, 0.1)
+        if scope.cancelled_caught:
+            raise EngineFailed(
+                f"engine for model {self.model_id!r} did not become healthy within "
+                f"{self.timing.load_timeout:g}s: {self.log.summary()}"
+            )
+
+    async def _monitor(self, proc: ProcessHandle, exited: trio.Event) -> None:
+        """While READY: watch for exit, failed health checks, a stop request and idle TTL."""
+        assert self.base_url is not None
+        url = f"{self.base_url}/health"
+        failures = 0
+        interval = self.timing.health_interval
+        if self.timing.idle_ttl > 0:
+            interval = min(interval, self.timing.idle_ttl)
+        next_check = trio.current_time() + self.timing.health_interval
+        while True:
+            self._wake_monitor = trio.Event()
+            if exited.is_set():
+                return  # _watch_exit recorded the crash
+            if self._stop_requested.is_set():
+                await self._stop_gracefully(proc, exited)
+                return
+            ttl = self.timing.idle_ttl
+            if ttl > 0 and self._busy == 0 and trio.current_time() - self._last_used >= ttl:
+                self.log.append(f"[gezel] idle for {ttl:g}s: releasing")
+                await self._stop_gracefully(proc, exited)
+                return
+            now = trio.current_time()
+            if now >= next_check:
+                next_check = now + self.timing.health_interval
+                healthy = False
+                with trio.move_on_after(self.timing.health_timeout):
+                    try:
+                        resp = await self._http.get(url, timeout=self.timing.health_timeout)
+                        healthy = resp.status_code == 200
+                    except httpx.HTTPError:
+                        healthy = False
+                if exited.is_set():
+                    return
+                failures = 0 if healthy else failures + 1
+                if failures >= self.timing.health_failures:
+                    reason = f"engine stopped answering /health ({failures} checks failed): killed"
+                    self.log.append(f"[gezel] {reason}")
+                    self._stopping_on_purpose = True
+                    self._record_failure(reason)
+                    await self._terminate(proc, exited, graceful=False)
+                    return
+            wake_at = min(next_check, now + interval) if ttl > 0 else next_check
+            with trio.move_on_at(wake_at):
+                await self._wake_monitor.wait()
+
+    async def _stop_gracefully(self, proc: ProcessHandle, exited: trio.Event) -> None:
+        self._stopping_on_purpose = True
+        self._set(EngineState.STOPPING)
+        await self._terminate(proc, exited, graceful=True)
+        self.crash_streak = 0
+        self._set(EngineState.STOPPED)
+
+    async def _terminate(self, proc: ProcessHandle, exited: trio.Event, *, graceful: bool) -> None:
+        """SIGTERM, SIGKILL after the grace (at once when not graceful); wait for the exit."""
+        self._stopping_on_purpose = True
+        if proc.returncode is None:
+            with contextlib.suppress(OSError):
+                if graceful:
+                    proc.send_signal(signal.SIGTERM)
+                else:
+                    proc.kill()
+            with trio.move_on_after(self.timing.stop_grace if graceful else math.inf):
+                await proc.wait()
+            if proc.returncode is None:
+                self.log.append(
+                    f"[gezel] no exit {self.timing.stop_grace:g}s after SIGTERM: sending SIGKILL"
+                )
+                with contextlib.suppress(OSError):
+                    proc.kill()
+                await proc.wait()
+        with trio.move_on_after(1):
+            await exited.wait()
+
+    async def _run_external(self, attempt: _Attempt) -> None:
+        """An engine we do not own: READY while ``/health`` answers 200, FAILED otherwise."""
+        assert self.base_url is not None
+        self._set(EngineState.STARTING)
+        url = f"{self.base_url}/health"
+        try:
+            resp = await self._http.get(url, timeout=self.timing.health_timeout)
+            ok = resp.status_code == 200
+            why = f"/health answered {resp.status_code}"
+        except httpx.HTTPError as exc:
+            ok = False
+            why = f"unreachable: {type(exc).__name__}: {exc}"
+        if not ok:
+            reason = f"external engine at {self.base_url} is not ready ({why})"
+            self._record_failure(reason)
+            attempt.finish(EngineFailed(reason))
+            return
+        self.generation += 1
+        self.ready_at = trio.current_time()
+        self._set(EngineState.READY)
+        attempt.finish()
+        failures = 0
+        while True:
+            self._wake_monitor = trio.Event()
+            with trio.move_on_after(self.timing.health_interval):
+                await self._wake_monitor.wait()
+            if self._stop_requested.is_set():
+                self._set(EngineState.STOPPED)
+                return
+            try:
+                resp = await self._http.get(url, timeout=self.timing.health_timeout)
+                healthy = resp.status_code == 200
+            except httpx.HTTPError:
+                healthy = False
+            failures = 0 if healthy else failures + 1
+            if failures >= self.timing.health_failures:
+                self._record_failure(
+                    f"external engine at {self.base_url} stopped answering /health"
+                )
+                return
+
+
+def _describe_code(code: int | None) -> str:
+    if code is None:
+        return "unknown"
+    if code < 0:
+        try:
+            return f"{code}, {signal.Signals(-code).name}"
+        except ValueError:
+            return str(code)
+    return str(code)
+
+
+@asynccontextmanager
+async def open_engine(
+    *,
+    key: str,
+    model_id: str,
+    http: httpx.AsyncClient,
+    argv_builder: ArgvBuilder | None = None,
+    url: str | None = None,
+    env: Mapping[str, str] | None = None,
+    timing: SupervisorTiming | None = None,
+    launcher: Launcher = spawn_process,
+    reserve: ReservationFactory = no_reservation,
+    log_lines: int = 400,
+) -> AsyncIterator[Engine]:
+    """Supervise one engine for the duration of the block.
+
+    On exit (normal, error or cancellation) the process is stopped under a
+    shielded deadline and the reservation released after it has exited.
+    """
+    engine = Engine(
+        key=key,
+        model_id=model_id,
+        argv_builder=argv_builder,
+        url=url,
+        env=dict(os.environ) if env is None else env,
+        http=http,
+        timing=timing or SupervisorTiming(),
+        launcher=launcher,
+        reserve=reserve,
+        log_lines=log_lines,
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine._serve)
+        try:
+            yield engine
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+def default_slot_save_dir(state_dir: Path, key: str) -> Path:
+    d = state_dir / "slots" / key
+    d.mkdir(parents=True, exist_ok=True)
+    return d
