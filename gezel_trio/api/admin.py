@@ -1,0 +1,201 @@
+"""Admin endpoints: status, live config, engine logs, load and unload."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import logging
+from typing import Any
+
+from quart import Blueprint, Response, current_app, request
+
+from ..config import Config, GpuPolicySetting, LogLevel, _coerce, validate
+from ..errors import ConfigError
+from ..host import Host
+from .errors import error_response, json_response
+from .validation import FieldError, read_json_object
+
+log = logging.getLogger("gezel_trio.api")
+
+bp = Blueprint("admin", __name__)
+
+
+def _host() -> Host:
+    host: Host = current_app.config["GEZEL_HOST"]
+    return host
+
+
+@bp.get("/api/status")
+async def status() -> Response:
+    return json_response(_host().status())
+
+
+@bp.get("/api/models/<model_id>/logs")
+async def logs(model_id: str) -> Response:
+    host = _host()
+    rt = host.resolve_model(model_id)
+    try:
+        n = max(1, min(int(request.args.get("lines", "200")), rt.engine.log.total or 1, 10_000))
+    except ValueError:
+        n = 200
+    return json_response({"model": rt.id, "lines": rt.engine.log.tail(n)})
+
+
+@bp.post("/api/models/<model_id>/load")
+async def load(model_id: str) -> Response:
+    host = _host()
+    rt = host.resolve_model(model_id)
+    await rt.engine.ensure_ready()
+    return json_response({"model": rt.id, "state": rt.engine.state.value.value})
+
+
+@bp.post("/api/models/<model_id>/unload")
+async def unload(model_id: str) -> Response:
+    host = _host()
+    rt = host.resolve_model(model_id)
+    await rt.engine.stop()
+    return json_response({"model": rt.id, "state": rt.engine.state.value.value})
+
+
+# ------------------------------------------------------------------ live configuration
+
+# What ``PUT /api/config`` may change, the type each value must have, and
+# where it lives in the config.
+SETTABLE: dict[str, tuple[Any, str]] = {
+    "policy": (GpuPolicySetting, "gpu.policy"),
+    "temp_limit_c": (float, "gpu.temp_limit_c"),
+    "temp_margin_c": (float, "gpu.temp_margin_c"),
+    "lock_model": (bool, "scheduler.lock_model"),
+    "log_level": (LogLevel, "server.log_level"),
+}
+# Keys this module applies itself; the others go to ``Host.apply_config``.
+SELF_APPLIED = frozenset({"log_level"})
+SELF_APPLIED_FALLBACK = frozenset({"lock_model"})
+"""Applied here only when the host has no ``apply_config``."""
+
+
+def validate_config_patch(config: Config, patch: dict[str, Any]) -> dict[str, Any]:
+    """Check a ``PUT /api/config`` body against the live config.
+
+    The body is flat: ``{"policy": "swap", "temp_limit_c": 80, "temp_margin_c": 5,
+    "lock_model": true, "log_level": "debug"}``, any subset but not none.
+    Returns the patch with values coerced (ints to floats where a number is
+    expected). Raises :class:`FieldError` (400) naming the first bad key;
+    nothing is applied then.
+    """
+    if not patch:
+        raise FieldError("body", f"expected at least one of {', '.join(SETTABLE)}")
+    out: dict[str, Any] = {}
+    for key, value in patch.items():
+        spec = SETTABLE.get(key)
+        if spec is None:
+            raise FieldError(
+                str(key)[:100], f"cannot change live; settable keys: {', '.join(SETTABLE)}"
+            )
+        tp, _ = spec
+        try:
+            out[key] = _coerce(key, value, tp, from_text=False)
+        except ConfigError as exc:
+            raise FieldError(key, exc.message.split(": ", 1)[-1]) from exc
+    limit = out.get("temp_limit_c", config.gpu.temp_limit_c)
+    margin = out.get("temp_margin_c", config.gpu.temp_margin_c)
+    if not 1.0 <= limit <= 150.0:
+        raise FieldError("temp_limit_c", f"expected 1..150 degrees C, got {limit:g}")
+    if not 0.0 <= margin < limit:
+        key = "temp_margin_c" if "temp_margin_c" in out else "temp_limit_c"
+        raise FieldError(
+            key, f"expected 0 <= temp_margin_c ({margin:g}) < temp_limit_c ({limit:g})"
+        )
+    trial = copy.deepcopy(config)
+    for key, value in out.items():
+        section, _, name = SETTABLE[key][1].partition(".")
+        setattr(getattr(trial, section), name, value)
+    try:
+        validate(trial)
+    except ConfigError as exc:
+        where, _, why = exc.message.partition(": ")
+        raise FieldError(where.rsplit(".", 1)[-1], why or exc.message) from exc
+    return out
+
+
+def config_view(config: Config) -> dict[str, Any]:
+    """The live configuration, JSON-ready. Keys are never shown, only how many are set."""
+    server = dataclasses.asdict(config.server)
+    server["api_keys"] = len(config.server.api_keys)
+    server["admin_keys"] = len(config.server.admin_keys)
+    models = []
+    for m in config.models:
+        d = dataclasses.asdict(m)
+        if m.url:
+            d["url"] = _strip_userinfo(m.url)
+        models.append(d)
+    return {
+        "server": server,
+        "engine": dataclasses.asdict(config.engine),
+        "scheduler": dataclasses.asdict(config.scheduler),
+        "gpu": dataclasses.asdict(config.gpu),
+        "models": models,
+    }
+
+
+def live_view(host: Host) -> dict[str, Any]:
+    """The settings ``PUT /api/config`` changes, as they are now."""
+    live = getattr(host, "live_config", None)
+    out: dict[str, Any] = dict(live()) if callable(live) else {}
+    cfg = host.config
+    out.setdefault("policy", cfg.gpu.policy)
+    out.setdefault("temp_limit_c", cfg.gpu.temp_limit_c)
+    out.setdefault("temp_margin_c", cfg.gpu.temp_margin_c)
+    out.setdefault("lock_model", cfg.scheduler.lock_model)
+    out["log_level"] = cfg.server.log_level
+    return out
+
+
+def _strip_userinfo(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, path = rest.partition("/")
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    return scheme + sep + netloc + slash + path
+
+
+@bp.get("/api/config")
+async def get_config() -> Response:
+    host = _host()
+    return json_response({"live": live_view(host), "config": config_view(host.config)})
+
+
+@bp.put("/api/config")
+async def put_config() -> Response:
+    """Apply policy, thermal limits, ``lock_model`` and the log level without a restart.
+
+    The whole patch is validated first (400 naming the key; nothing applied),
+    then handed to ``Host.apply_config``. Without it, only ``lock_model`` and
+    ``log_level`` can change (501 for the others, nothing applied).
+    """
+    host = _host()
+    patch = validate_config_patch(host.config, await read_json_object())
+    for_host = {k: v for k, v in patch.items() if k not in SELF_APPLIED}
+    apply = getattr(host, "apply_config", None)
+    if callable(apply):
+        if for_host:
+            result = apply(for_host)
+            if inspect.isawaitable(result):
+                await result
+    else:
+        pending = sorted(set(for_host) - SELF_APPLIED_FALLBACK)
+        if pending:
+            return error_response(
+                501,
+                f"this host cannot change {', '.join(pending)} live; nothing was applied",
+                type_="server_error",
+                code="not_implemented",
+            )
+        if "lock_model" in patch:
+            host.config.scheduler.lock_model = patch["lock_model"]
+    if "log_level" in patch:
+        host.config.server.log_level = patch["log_level"]
+        logging.getLogger().setLevel(patch["log_level"].upper())
+    log.info("config changed", extra={"fields": {"changed": patch}})
+    return json_response({"applied": patch, "live": live_view(host)})

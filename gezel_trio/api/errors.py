@@ -1,0 +1,79 @@
+"""The error contract, in one place: project errors -> HTTP status and OpenAI's error shape.
+
+| Case                    | Status                                 |
+|-------------------------|----------------------------------------|
+| Malformed JSON          | 400                                    |
+| Wrong types             | 400, naming the field                  |
+| Body over the limit     | 413                                    |
+| Unknown model           | 404                                    |
+| Model locked            | 409                                    |
+| Queue full              | 503 + Retry-After                      |
+| Engine failed to start  | 503, with the engine's last log lines  |
+| Engine crashed mid-call | 502                                    |
+| Engine silent too long  | 504                                    |
+| Upstream errors         | the engine's own status and body       |
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from quart import Response
+
+from ..errors import GezelError, QueueFull
+
+log = logging.getLogger("gezel_trio.api")
+
+
+def error_body(
+    message: str, *, type_: str, code: str | int | None, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def json_response(
+    payload: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    return Response(
+        json.dumps(payload, separators=(",", ":")),
+        status=status,
+        headers=headers or {},
+        content_type="application/json",
+    )
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    type_: str | None = None,
+    code: str | int | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    if type_ is None:
+        type_ = "invalid_request_error" if status < 500 else "server_error"
+    return json_response(error_body(message, type_=type_, code=code, param=param), status, headers)
+
+
+def response_for(exc: GezelError) -> Response:
+    """Map a project error to its response. Upstream errors keep the engine's own body."""
+    headers: dict[str, str] = {}
+    if isinstance(exc, QueueFull):
+        headers["Retry-After"] = str(exc.retry_after)
+    param = getattr(exc, "param", None)
+    if exc.status >= 500:
+        log.warning("request failed: %s %s", exc.status, exc.message)
+    body = exc.detail if exc.code == "upstream_error" else None
+    if isinstance(body, (bytes, bytearray)):
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict) and "error" in parsed:
+            return json_response(parsed, exc.status, headers)
+    return error_response(
+        exc.status, exc.message, type_=exc.type, code=exc.code, param=param, headers=headers
+    )

@@ -1,0 +1,153 @@
+"""OpenAI-compatible endpoints: chat and text completions, embeddings, models.
+
+A completion is validated just enough to route it (``model``, ``stream``,
+the session key and the fields whose types the engine would otherwise choke
+on), then forwarded untouched except ``id_slot``, which belongs to the
+scheduler: a client's ``id_slot`` is removed and the scheduler's pin (when it
+names one) is sent instead.
+
+Embeddings are served by models configured with ``embeddings = true`` (their
+engine runs with ``--embeddings``); any other model answers 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quart import Blueprint, Response, current_app
+
+from ..host import Grant, Host
+from ..proxy import forward
+from .errors import json_response
+from .metrics_endpoint import note_model
+from .relay import proxy_completion
+from .validation import FieldError, read_json_object
+
+bp = Blueprint("openai", __name__)
+
+
+def _host() -> Host:
+    host: Host = current_app.config["GEZEL_HOST"]
+    return host
+
+
+@bp.post("/v1/chat/completions")
+async def chat_completions() -> Response:
+    body = await read_json_object()
+    note_model(_host(), body.get("model"))
+    return await proxy_completion(_host(), body, "/v1/chat/completions", kind="chat")
+
+
+@bp.post("/v1/completions")
+async def completions() -> Response:
+    body = await read_json_object()
+    note_model(_host(), body.get("model"))
+    return await proxy_completion(_host(), body, "/v1/completions", kind="text")
+
+
+def check_embeddings_body(body: dict[str, Any]) -> None:
+    """Check the fields of an embeddings request; a failure is a 400 naming the field."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise FieldError("model", "expected a string naming a model")
+    inp = body.get("input")
+    if not _valid_embedding_input(inp):
+        raise FieldError(
+            "input",
+            "required: a non-empty string, an array of strings, an array of token ids, "
+            "or an array of token-id arrays",
+        )
+    fmt = body.get("encoding_format")
+    if fmt is not None and fmt not in ("float", "base64"):
+        raise FieldError("encoding_format", "expected 'float' or 'base64'")
+
+
+def _is_token(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _valid_embedding_input(inp: object) -> bool:
+    if isinstance(inp, str):
+        return bool(inp)
+    if not isinstance(inp, list) or not inp:
+        return False
+    if all(isinstance(p, str) and p for p in inp):
+        return True
+    if all(_is_token(t) for t in inp):
+        return True
+    return all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in inp)
+
+
+@bp.post("/v1/embeddings")
+async def embeddings() -> Response:
+    """Embeddings from a model whose engine serves them; scheduled like a completion.
+
+    The engine places each input on a slot of its own choosing (llama-server
+    ignores ``id_slot`` for embeddings), so an embedding model is best kept
+    apart from chat models.
+    """
+    host = _host()
+    body = await read_json_object()
+    check_embeddings_body(body)
+    note_model(host, body.get("model"))
+    runtime = host.resolve_model(body.get("model"))
+    if not runtime.config.embeddings:
+        raise FieldError(
+            "model",
+            f"the model {runtime.id!r} does not serve embeddings "
+            "(set embeddings = true in its [[models]] entry)",
+        )
+    upstream = {k: v for k, v in body.items() if k != "id_slot"}
+
+    async def run(_grant: Grant) -> Response:
+        engine = runtime.engine
+        assert engine.base_url is not None
+        result = await forward(
+            host.http,
+            "POST",
+            engine.base_url + "/v1/embeddings",
+            body=upstream,
+            read_timeout=host.config.engine.request_timeout,
+            crashed=engine.crash_error,
+        )
+        return Response(
+            result.content, status=result.head.status, content_type=result.head.content_type
+        )
+
+    # Keyless: an embedding leaves no chat KV behind worth keeping.
+    return await host.run_job(runtime, run, session=None)
+
+
+@bp.get("/v1/models")
+async def list_models() -> Response:
+    host = _host()
+    data: list[dict[str, Any]] = []
+    for rt in host.models.values():
+        data.append(
+            {
+                "id": rt.id,
+                "object": "model",
+                "created": rt.created,
+                "owned_by": "external" if rt.config.external else "gezel-trio",
+                "name": rt.config.display_name,
+                "state": rt.engine.state.value.value,
+                "parallel": rt.engine.parallel or rt.config.parallel,
+                "ctx_per_slot": rt.config.ctx_per_slot,
+            }
+        )
+    return json_response({"object": "list", "data": data})
+
+
+@bp.get("/v1/models/<path:model_id>")
+async def get_model(model_id: str) -> Response:
+    host = _host()
+    rt = host.resolve_model(model_id)
+    return json_response(
+        {
+            "id": rt.id,
+            "object": "model",
+            "created": rt.created,
+            "owned_by": "external" if rt.config.external else "gezel-trio",
+            "state": rt.engine.state.value.value,
+        }
+    )

@@ -1,0 +1,148 @@
+"""Reading and checking request bodies. Every failure is a 400 that names the field."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from quart import request
+
+from ..errors import BadRequest
+
+
+class FieldError(BadRequest):
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+async def read_json_object() -> dict[str, Any]:
+    """The request body as a JSON object.
+
+    Raises 413 (via Quart) when the body is over the limit, and
+    :class:`BadRequest` when it is not UTF-8 JSON or not an object.
+    """
+    raw = await request.get_data(cache=False, as_text=False)
+    assert isinstance(raw, bytes)
+    if not raw:
+        raise BadRequest("the request body is empty; send a JSON object")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the request body is not valid UTF-8 (byte {exc.start})") from exc
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise BadRequest(
+            f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from exc
+    except RecursionError as exc:
+        raise BadRequest("the request body nests too deeply") from exc
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _reject_constant(name: str) -> Any:
+    raise BadRequest(f"the request body contains {name}, which is not valid JSON")
+
+
+_NUMBER = (int, float)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, _NUMBER) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_completion_body(body: dict[str, Any], *, kind: str) -> None:
+    """Check the fields the host reads or that would make the engine misbehave."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise FieldError("model", "expected a string naming a model")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise FieldError("stream", "expected true or false")
+    so = body.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise FieldError("stream_options", "expected an object")
+        if "include_usage" in so and not isinstance(so["include_usage"], bool):
+            raise FieldError("stream_options.include_usage", "expected true or false")
+    pck = body.get("prompt_cache_key")
+    if pck is not None and (not isinstance(pck, str) or len(pck) > 512):
+        raise FieldError("prompt_cache_key", "expected a string of at most 512 characters")
+    if kind == "chat":
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise FieldError("messages", "expected a non-empty array of messages")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict):
+                raise FieldError(f"messages[{i}]", "expected an object with role and content")
+            if not isinstance(m.get("role"), str):
+                raise FieldError(f"messages[{i}].role", "expected a string")
+            content = m.get("content")
+            if content is not None and not isinstance(content, str | list):
+                raise FieldError(f"messages[{i}].content", "expected a string or an array of parts")
+    elif kind in ("text", "native"):
+        prompt = body.get("prompt")
+        if kind == "text" and prompt is None:
+            raise FieldError(
+                "prompt", "required: a string, an array of token ids, or an array of strings"
+            )
+        if prompt is not None and not _valid_prompt(prompt):
+            raise FieldError(
+                "prompt", "expected a string, an array of token ids, or an array of strings"
+            )
+    for name in ("max_tokens", "max_completion_tokens", "n_predict"):
+        v = body.get(name)
+        if v is not None:
+            if not _is_int(v):
+                raise FieldError(name, "expected an integer")
+            if v < -1 and name == "n_predict":
+                raise FieldError(name, "expected -1 (no limit) or a non-negative integer")
+            if v < 0 and name != "n_predict":
+                raise FieldError(name, "expected a non-negative integer")
+    for name in (
+        "temperature",
+        "top_p",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repeat_penalty",
+    ):
+        v = body.get(name)
+        if v is not None and not _is_number(v):
+            raise FieldError(name, "expected a finite number")
+    t = body.get("temperature")
+    if t is not None and _is_number(t) and t < 0:
+        raise FieldError("temperature", "expected a number >= 0")
+    for name in ("top_k", "seed", "n_probs", "logprobs_count"):
+        v = body.get(name)
+        if v is not None and not _is_int(v):
+            raise FieldError(name, "expected an integer")
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise FieldError("n", "only n = 1 is supported")
+    stop = body.get("stop")
+    if stop is not None and not (
+        isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop))
+    ):
+        raise FieldError("stop", "expected a string or an array of strings")
+
+
+def _valid_prompt(prompt: Any) -> bool:
+    if isinstance(prompt, str):
+        return True
+    if isinstance(prompt, list):
+        if not prompt:
+            return False
+        if all(_is_int(t) and t >= 0 for t in prompt):
+            return True
+        return all(isinstance(p, str) for p in prompt) or all(
+            isinstance(p, list) and all(_is_int(t) and t >= 0 for t in p) for p in prompt
+        )
+    return False

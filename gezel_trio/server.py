@@ -1,0 +1,103 @@
+"""Serve the host over HTTP: hypercorn, inside ``open_host``'s nursery tree."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from functools import partial
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from .api.app import create_app
+from .config import Config
+from .host import Host, open_host
+
+log = logging.getLogger("gezel_trio.server")
+
+LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+
+
+def hypercorn_config(config: Config) -> HypercornConfig:
+    hc = HypercornConfig()
+    host = config.server.host
+    hc.bind = [f"[{host}]:{config.server.port}" if ":" in host else f"{host}:{config.server.port}"]
+    hc.accesslog = None
+    hc.errorlog = logging.getLogger("hypercorn.error")
+    hc.keep_alive_timeout = 75
+    hc.graceful_timeout = 5
+    hc.read_timeout = None
+    hc.h11_max_incomplete_size = 64 * 1024
+    hc.max_app_queue_size = 64
+    return hc
+
+
+def exposure_warning(config: Config) -> str | None:
+    if config.server.host not in LOOPBACK and not config.server.api_keys:
+        return (
+            f"binding {config.server.host}:{config.server.port} without API keys: anyone who can "
+            "reach this address can use every model. Set [server] api_keys."
+        )
+    return None
+
+
+@asynccontextmanager
+async def open_server(
+    config: Config, *, shutdown_trigger: Callable[[], Awaitable[None]] | None = None
+) -> AsyncIterator[tuple[Host, list[str]]]:
+    """Open the host and serve it over HTTP for the duration of the block.
+
+    Yields the host and the bound URLs (useful with port 0). Leaving the
+    block stops hypercorn, then every engine.
+    """
+    warning = exposure_warning(config)
+    if warning:
+        log.warning(warning)
+    async with open_host(config) as host, trio.open_nursery() as nursery:
+        app = create_app(host)
+        binds: list[str] = await nursery.start(
+            partial(
+                hypercorn_serve, app, hypercorn_config(config), shutdown_trigger=shutdown_trigger
+            )
+        )
+        host.urls = binds
+        log.info("serving", extra={"fields": {"urls": binds, "models": list(host.models)}})
+        try:
+            yield host, binds
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+async def serve_host(
+    config: Config,
+    *,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve until ``shutdown_trigger`` returns or the task is cancelled.
+
+    Cancellation stops every engine before this returns.
+    """
+    done = trio.Event()
+
+    async def trigger() -> None:
+        if shutdown_trigger is None:
+            await trio.sleep_forever()
+        else:
+            await shutdown_trigger()
+        done.set()
+
+    async with open_server(config, shutdown_trigger=trigger) as (_, binds):
+        task_status.started(binds)
+        await done.wait()
+
+
+async def wait_for_signal() -> None:
+    """Return on the first SIGINT or SIGTERM (a graceful shutdown trigger)."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.info("shutting down", extra={"fields": {"signal": signal.Signals(signum).name}})
+            return

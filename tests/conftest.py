@@ -1,0 +1,109 @@
+"""Shared fixtures: the real engine binary, generated demo models, a running host.
+
+Integration tests use a real ``llama-server``. If none resolves, they fail
+with the resolver's message (they are never skipped): run
+``gezel-trio build-engine --if-needed`` first, as ``.ci/run`` does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from gezel_trio.config import Config, ModelConfig, validate
+from gezel_trio.engine.binary import EngineBinary, resolve_engine
+from gezel_trio.engine.demo_model import write_demo_model
+from gezel_trio.errors import EngineNotFound
+from gezel_trio.host import Host
+from gezel_trio.server import open_server
+
+
+@pytest.fixture(scope="session")
+def engine_binary() -> EngineBinary:
+    try:
+        return resolve_engine()
+    except EngineNotFound as exc:
+        pytest.fail(f"integration tests need a real llama-server: {exc.message}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(models_dir: Path) -> Path:
+    return write_demo_model(models_dir / "tiny.gguf", size="tiny")
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "state"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture(autouse=True)
+def _isolated_dirs(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    """Keep the user's real state and cache dirs out of tests (the built engine stays visible)."""
+    base = tmp_path_factory.getbasetemp()
+    monkeypatch.setenv("XDG_STATE_HOME", str(base / "xdg-state"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(base / "xdg-cache"))
+    yield
+
+
+def make_config(
+    models: list[ModelConfig],
+    *,
+    state_dir: Path,
+    engine_binary: EngineBinary | None = None,
+    **sections: dict[str, object],
+) -> Config:
+    cfg = Config()
+    cfg.server.port = 0
+    cfg.engine.state_dir = str(state_dir)
+    cfg.engine.load_timeout = 60.0
+    if engine_binary is not None:
+        cfg.engine.binary = str(engine_binary.path)
+    cfg.models = models
+    for name, values in sections.items():
+        section = getattr(cfg, name)
+        for k, v in values.items():
+            setattr(section, k, v)
+    validate(cfg)
+    return cfg
+
+
+@asynccontextmanager
+async def running(cfg: Config) -> AsyncIterator[tuple[Host, httpx.AsyncClient]]:
+    """A real host on a real hypercorn socket, with an httpx client pointed at it."""
+    async with (
+        open_server(cfg) as (host, binds),
+        httpx.AsyncClient(base_url=binds[0], timeout=httpx.Timeout(60.0)) as client,
+    ):
+        yield host, client
+
+
+def pids_alive(pids: list[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        # a zombie still answers kill(0); check its state
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                if fh.read().split(") ")[1].startswith("Z"):
+                    continue
+        except OSError:
+            continue
+        alive.append(pid)
+    return alive
