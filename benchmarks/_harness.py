@@ -1,0 +1,102 @@
+"""Shared bits for the benchmark scripts: run a real host as a subprocess, percentiles."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def pct(values: Sequence[float], p: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * p / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def toml_config(models: list[dict[str, Any]], *, port: int, state_dir: str, extra: str = "") -> str:
+    lines = [
+        "[server]",
+        f"port = {port}",
+        'log_level = "warning"',
+        "[engine]",
+        f"state_dir = {json.dumps(state_dir)}",
+        extra,
+    ]
+    for m in models:
+        lines.append("[[models]]")
+        for k, v in m.items():
+            lines.append(f"{k} = {json.dumps(v)}")
+    return "\n".join(lines) + "\n"
+
+
+@contextmanager
+def host_process(
+    models: list[dict[str, Any]], *, extra: str = ""
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Run ``gezel-trio serve`` in a subprocess; yields its base URL. Always stops it."""
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="gezel-bench-") as tmp:
+        cfg = Path(tmp) / "gezel.toml"
+        cfg.write_text(
+            toml_config(models, port=port, state_dir=str(Path(tmp) / "state"), extra=extra)
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gezel_trio.cli", "serve", "--config", str(cfg)],
+            stdout=subprocess.DEVNULL,
+            stderr=open(Path(tmp) / "host.log", "wb"),  # noqa: SIM115
+            env=dict(os.environ),
+        )
+        base = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if httpx.get(base + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError((Path(tmp) / "host.log").read_text()[-3000:])
+                time.sleep(0.05)
+            yield base, proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def write_result(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
