@@ -1,0 +1,1 @@
+"""The Quart-Trio front end: OpenAI-compatible, native passthrough, admin, metrics."""
