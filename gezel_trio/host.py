@@ -23,6 +23,7 @@ import httpx
 import trio
 
 from . import __version__
+from .calibration import CalibrationBook, calibrate, serve_calibration
 from .config import Config, ModelConfig
 from .engine.argv import build_argv
 from .engine.binary import BuildFacts, EngineBinary, read_build_facts, resolve_engine
@@ -103,6 +104,7 @@ class Host:
         self.health_gate = health_gate
         self.ledger = ledger
         self.pressure_releases = 0
+        self.calibration_book = CalibrationBook(config.state_dir / "calibration.json")
         self.models: dict[str, ModelRuntime] = {}
         self.scheduler: Scheduler | None = None
         self.started_at = time.time()
@@ -177,6 +179,11 @@ class Host:
                     return await run(grant)
 
         return await self.scheduler.submit(runtime.id, job, session=session, kind=kind)
+
+    async def calibrate(self, runtime: ModelRuntime) -> dict[str, Any]:
+        """Run the co-batch calibration now (an exclusive operation); returns its result."""
+        result = await calibrate(self, runtime)
+        return result.to_dict()
 
     # -------------------------------------------------------------- live configuration
 
@@ -465,6 +472,9 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
             host.streams = streams
             await streams.start(_serve_device_health, host)
             await streams.start(_serve_memory_pressure, host)
+            for rt in host.models.values():
+                if not rt.config.external:
+                    await streams.start(serve_calibration, host, rt)
             try:
                 yield host
             finally:

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from .calibration import CalibrationState
 from .config import ModelConfig
 from .engine.planner import EnginePlan
 from .engine.supervisor import Engine
@@ -41,6 +42,7 @@ class ModelRuntime:
     """The last memory plan, and its reasons, for status."""
     active_plan: EnginePlan | None = None
     """The plan of the engine process running now (inside its reservation)."""
+    calibration: CalibrationState = field(default_factory=CalibrationState)
 
     # ------------------------------------------------------------------ identity
 
@@ -127,6 +129,7 @@ class ModelRuntime:
                 "admission_ceiling": self.parallel,
                 "ceiling_reason": self.ceiling_reason,
                 "plan": self.plan,
+                "calibration": self.calibration.as_dict(),
             }
         )
         return stats
