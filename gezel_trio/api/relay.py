@@ -168,8 +168,19 @@ async def _stream(
             try:
                 async with recv:
                     async for chunk in recv:
-                        if isinstance(chunk, bytes):
-                            yield chunk
+                        if not isinstance(chunk, bytes):
+                            continue
+                        # When the client reads slower than the engine writes, send what
+                        # has piled up in one write instead of one per token.
+                        parts = [chunk]
+                        while True:
+                            try:
+                                more = recv.receive_nowait()
+                            except (trio.WouldBlock, trio.EndOfChannel):
+                                break
+                            if isinstance(more, bytes):
+                                parts.append(more)
+                        yield parts[0] if len(parts) == 1 else b"".join(parts)
             finally:
                 scope.cancel()
                 status = outcome["error"].status if outcome["error"] else 200
