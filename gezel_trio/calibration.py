@@ -237,9 +237,11 @@ async def serve_calibration(
         return
     seen = 0
     while state.result is None:
-        await runtime.engine.state.wait_value(
-            lambda s: s is EngineState.READY and runtime.engine.generation > seen
-        )
+
+        def new_ready(s: EngineState, after: int = seen) -> bool:
+            return s is EngineState.READY and runtime.engine.generation > after
+
+        await runtime.engine.state.wait_value(new_ready)
         seen = runtime.engine.generation
         try:
             await calibrate(host, runtime)

@@ -57,7 +57,7 @@ async def test_recurrent_model_is_serialized_until_calibrated_and_survives_load(
                 r = await client.post("/completion", json=_body(p))
                 assert r.status_code == 200, r.text
                 alone.append(r.json()["content"])
-            while cal.result is None:
+            while cal.result is None:  # noqa: ASYNC110 - polling a plain attribute
                 await trio.sleep(0.05)
             status = (await client.get("/api/status")).json()
             (eng,) = status["engines"]

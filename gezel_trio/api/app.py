@@ -22,7 +22,7 @@ log = logging.getLogger("gezel_trio.api")
 
 # ``/`` is the status page's static HTML: it holds no data and asks for the
 # admin key itself (a browser cannot send a bearer header when navigating).
-PUBLIC_PATHS = frozenset({"/health", "/"})
+PUBLIC_PATHS = frozenset({"/health", "/", "/metrics"})
 ADMIN_PREFIXES = ("/api/",)
 # Everything else, /metrics and /openapi.json included, needs an API key when keys are set.
 
