@@ -1,0 +1,1246 @@
+"""The scheduler's policy: queue ordering, turns, fairness, capacity and slot ownership.
+
+Pure bookkeeping with no I/O and no event loop, so every rule can be tested with
+plain function calls. :mod:`gezel_trio.scheduler.dispatcher` wraps it in Trio: it
+calls :meth:`SchedulerPolicy.plan` on every event, performs the I/O each
+:class:`Action` asks for (an engine load, a ``GET /slots`` measurement, a job
+start) and reports back (:meth:`~SchedulerPolicy.admit`,
+:meth:`~SchedulerPolicy.load_done`, :meth:`~SchedulerPolicy.settle`).
+
+The rules, in the order the policy applies them (see the issue-3 seed):
+
+1. RESIDENCY. Jobs are partitioned into *groups* that share one engine turn:
+   in ``swap`` mode every model is in one group (one resident model per GPU), in
+   ``coexist`` mode each model is its own group. A turn switches model only
+   from a fully drained group; nothing is refused for "wrong model".
+2. EXCLUSIVITY. ``calibrate``, ``sweep`` and ``benchmark`` jobs are turns of
+   their own: the group drains, the job runs alone, nothing is admitted
+   meanwhile.
+3. THE OPEN TURN. A turn claims every queued job of its model up to the first
+   exclusive job, and keeps absorbing same-model jobs that reach the head of the
+   queue, even after its batch drained. A claim is a sequence-number bound, not
+   a move: the turn's jobs are those of its model queued below the bound.
+4. FAIRNESS. The turn stops absorbing when the group's queue head is another
+   model's job or an exclusive job; it retires once its claimed jobs have run;
+   the next turn prefers a model other than the one that just ran.
+5. CAPACITY. ``min(parallel - running, measured idle)``, never both subtracted;
+   an unknown measurement trusts the profile. Zero capacity with none of our
+   jobs running asks the Trio layer to poll ``/slots``.
+6. OWNERSHIP. :class:`SlotOwners` maps slot id to the session that last ran on
+   it (``None`` for keyless jobs and for slots whose content is unknown). A job
+   pinned to a slot owned by anyone else is marked for an erase that the Trio
+   layer awaits before the job's ``run()``; the same session keeps its KV; a
+   fresh slot (never used since the engine's generation began) needs none.
+   *Forgetting* (a turn switching model, an exclusive op, ``forget_slots``)
+   drops the owners, but unless the lane's generation then changes (a restarted
+   engine is fresh) nothing vouches for the slots any more, so each is erased on
+   its first use: forgetting can cost a re-prefill, never a bleed.
+   *Unpinned jobs* (no slot id could be named: the sample had no ids, failed,
+   or named fewer slots than it counted; or pinning is off) land on a slot the
+   engine picks, which the scheduler cannot know. Nothing is recorded for them
+   (they are counted in ``unpinned_admissions``), and since any tracked slot may
+   now hold their KV, the model's map is forgotten at their admission and again
+   when they settle.
+7. AFFINITY. Within a turn, jobs whose session holds a slot go first, pinned to
+   that slot when it is idle; everything else is FIFO.
+8. PINNING. Every admission in one :meth:`~SchedulerPolicy.admit` call draws a
+   distinct slot id from the measurement that admitted it, excluding slots
+   pinned to our still-running jobs; ``None`` when no id can be named honestly.
+
+Data structures are chosen so that one admission, and one turn start, cost
+O(models + slots), never O(queued jobs): a FIFO deque per model and a per-model,
+per-session index (both with lazy deletion and compaction), one deque of
+exclusive jobs per group, and a claim bound per turn.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Literal, Protocol
+
+from gezel_trio.errors import QueueFull, UnknownModel
+
+__all__ = [
+    "EXCLUSIVE_KINDS",
+    "JOB_KINDS",
+    "Action",
+    "ActiveOp",
+    "Admission",
+    "Admit",
+    "Grant",
+    "Job",
+    "JobKind",
+    "JobState",
+    "LaneInfo",
+    "Load",
+    "Residency",
+    "RunExclusive",
+    "SchedulerPolicy",
+    "SchedulerStats",
+    "SlotMeasurement",
+    "SlotOwners",
+    "admission_capacity",
+    "choose_slot",
+    "free_slot_ids",
+    "hash_session",
+]
+
+JobKind = Literal["completion", "calibrate", "sweep", "benchmark"]
+Residency = Literal["swap", "coexist"]
+JOB_KINDS: frozenset[str] = frozenset({"completion", "calibrate", "sweep", "benchmark"})
+EXCLUSIVE_KINDS: frozenset[str] = JOB_KINDS - {"completion"}
+RESIDENCIES: frozenset[str] = frozenset({"swap", "coexist"})
+
+_SWAP_GROUP = "*"
+_COMPACT_MIN = 64  # never compact a deque shorter than this
+
+
+# --------------------------------------------------------------------------- values
+
+
+@dataclass(frozen=True, slots=True)
+class SlotMeasurement:
+    """One sample of an engine's ``GET /slots``.
+
+    ``idle`` is the number of free sequence slots; ``ids`` names them, or is
+    ``None`` when the engine reports only a count (then nothing can be pinned).
+    """
+
+    idle: int
+    ids: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """What a job's ``run()`` is given when it starts.
+
+    ``slot_id`` is the pin to send upstream as ``id_slot`` (``None`` when none can
+    be named honestly, and always ``None`` for exclusive jobs); ``erased`` says an
+    acknowledged erase of that slot preceded this grant; ``queue_wait_s`` is the
+    time from ``submit()`` to this grant (engine switch and erase included).
+    """
+
+    model_id: str
+    slot_id: int | None
+    erased: bool
+    queue_wait_s: float
+
+
+class LaneInfo(Protocol):
+    """The synchronous view of a lane the policy reads (no I/O)."""
+
+    @property
+    def model_id(self) -> str: ...
+
+    @property
+    def display_name(self) -> str: ...
+
+    @property
+    def parallel(self) -> int: ...
+
+    @property
+    def generation(self) -> int: ...
+
+
+class JobState(Enum):
+    QUEUED = "queued"  # submitted, not admitted (possibly claimed by a turn)
+    RUNNING = "running"  # admitted: counted against capacity until settled
+    DONE = "done"  # settled after running (finished, failed or cancelled)
+    CANCELLED = "cancelled"  # left the queue before admission
+    FAILED = "failed"  # failed by the scheduler before admission (engine, shutdown)
+
+
+@dataclass(eq=False, slots=True)
+class Job:
+    """One queued request or host operation. The Trio layer subclasses it."""
+
+    model_id: str
+    kind: JobKind = "completion"
+    session: str | None = None
+    seq: int = -1
+    submitted_at: float = 0.0
+    state: JobState = JobState.QUEUED
+    slot_id: int | None = None
+    erase: bool = False  # the slot must be erased (and acknowledged) before run()
+    erase_ok: bool | None = None  # None: no erase attempted/finished; set by the Trio layer
+    ran: bool = False  # run() was called (the job may have reached the engine)
+    generation: int | None = None  # lane generation at admission
+    admitted_at: float | None = None
+    model_state: _Model | None = field(default=None, repr=False)
+    home: _JobDeque | None = field(default=None, repr=False)
+    session_home: _JobDeque | None = field(default=None, repr=False)
+
+    @property
+    def exclusive(self) -> bool:
+        return self.kind != "completion"
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """Make ``model_id`` resident (``ensure_resident``), then report back."""
+
+    model_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """Measure ``model_id``'s slots, then call :meth:`SchedulerPolicy.admit`."""
+
+    model_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunExclusive:
+    """Start this exclusive job now: the group is drained and its model resident."""
+
+    job: Job
+
+
+Action = Load | Admit | RunExclusive
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The result of one :meth:`SchedulerPolicy.admit`: jobs to start, and whether
+    the Trio layer must poll ``/slots`` (capacity zero, none of our jobs running)."""
+
+    jobs: tuple[Job, ...] = ()
+    poll: bool = False
+
+
+_NOTHING = Admission()
+
+
+@dataclass(frozen=True, slots=True)
+class ActiveOp:
+    model_id: str
+    kind: str
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """A snapshot for ``/api/status`` and ``/metrics``. Sessions appear only hashed."""
+
+    residency: str
+    queued: int
+    max_queue: int
+    waiting: dict[str, int]  # display name -> queued jobs
+    waiting_model_ids: dict[str, int]  # model id -> queued jobs
+    running: dict[str, int]  # model id -> admitted completions not yet settled
+    last_turn: str | None
+    turns: dict[str, str | None]  # group ("*" in swap mode, else model id) -> turn model
+    active: ActiveOp | None  # the exclusive op running (the first one in coexist mode)
+    active_ops: tuple[ActiveOp, ...]
+    loading: tuple[str, ...]
+    slot_owners: dict[str, dict[int, str | None]]  # model -> slot -> hashed session|None
+    erases: dict[str, int]  # ok, failed, skipped_same_session
+    admissions: int
+    unpinned_admissions: int
+    switches: int
+    slot_polls: int
+    slot_measurements: int
+    slot_measure_failures: int
+    dispatch_passes: int
+    dispatch_seconds: float
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready: slot ids become strings, tuples become lists."""
+        return {
+            "residency": self.residency,
+            "queued": self.queued,
+            "max_queue": self.max_queue,
+            "waiting": dict(self.waiting),
+            "waiting_model_ids": dict(self.waiting_model_ids),
+            "running": dict(self.running),
+            "last_turn": self.last_turn,
+            "turns": dict(self.turns),
+            "active": (
+                None
+                if self.active is None
+                else {"model_id": self.active.model_id, "kind": self.active.kind}
+            ),
+            "active_ops": [{"model_id": a.model_id, "kind": a.kind} for a in self.active_ops],
+            "loading": list(self.loading),
+            "slot_owners": {
+                model: {str(slot): owner for slot, owner in owners.items()}
+                for model, owners in self.slot_owners.items()
+            },
+            "erases": dict(self.erases),
+            "admissions": self.admissions,
+            "unpinned_admissions": self.unpinned_admissions,
+            "switches": self.switches,
+            "slot_polls": self.slot_polls,
+            "slot_measurements": self.slot_measurements,
+            "slot_measure_failures": self.slot_measure_failures,
+            "dispatch_passes": self.dispatch_passes,
+            "dispatch_seconds": self.dispatch_seconds,
+        }
+
+
+def hash_session(session: str) -> str:
+    """The form a session key takes in stats and logs: a sha256 prefix, never the key."""
+    return hashlib.sha256(session.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+
+def admission_capacity(parallel: int, running: int, measured: SlotMeasurement | None) -> int:
+    """How many more jobs may be admitted: ``min(parallel - running, measured.idle)``.
+
+    The two bounds are combined, never both subtracted: the engine's idle count
+    already excludes our running jobs that reached it. ``None`` (unknown) trusts
+    the profile's ``parallel``.
+    """
+    room = parallel - running
+    if measured is not None and measured.idle < room:
+        room = measured.idle
+    return max(room, 0)
+
+
+def free_slot_ids(
+    measured: SlotMeasurement | None, pinned: Mapping[int, object] | frozenset[int]
+) -> list[int] | None:
+    """Slot ids a new pin may use: the measured idle ids minus slots pinned to our
+    still-running jobs (admitted moments ago, they may not have reached the engine,
+    so the sample can still show their slot idle). ``None`` when the measurement
+    names no ids."""
+    if measured is None or measured.ids is None:
+        return None
+    return [slot for slot in measured.ids if slot not in pinned]
+
+
+class SlotOwners:
+    """Slot id -> the session whose KV the slot holds, for one engine generation.
+
+    A slot is in one of four states: *owned* by a session (a ``str``), *dirty*
+    (``None``: a keyless job ran on it, or an erase failed), *clean* (erased and
+    unused since), or absent. An absent slot is fresh unless the map was
+    :meth:`forget`-ed without a new generation (``tainted``): then nothing vouches
+    for it and its first use is erased. A new generation (engine restart) makes
+    every slot fresh.
+    """
+
+    __slots__ = ("_clean", "_owners", "_tick", "_used", "generation", "tainted")
+
+    def __init__(self) -> None:
+        self.generation: int | None = None
+        self.tainted = False
+        self._owners: dict[int, str | None] = {}
+        self._clean: set[int] = set()
+        self._used: dict[int, int] = {}
+        self._tick = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<SlotOwners gen={self.generation} owned={len(self._owners)}"
+            f"{' tainted' if self.tainted else ''}>"
+        )
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    def sync(self, generation: int) -> bool:
+        """Adopt the lane's generation; a different one means a fresh engine, so
+        every owner is dropped. Returns True when the map was reset."""
+        if generation == self.generation:
+            return False
+        self.generation = generation
+        self._owners.clear()
+        self._clean.clear()
+        self._used.clear()
+        self.tainted = False
+        return True
+
+    def forget(self) -> None:
+        """Drop every owner. Without an engine restart nothing vouches for the slots
+        any more, so each one is erased on first use (unless the generation changes
+        first, which makes them fresh)."""
+        self._owners.clear()
+        self._clean.clear()
+        self._used.clear()
+        self.tainted = True
+
+    def owned(self, slot: int) -> bool:
+        return slot in self._owners
+
+    def owner(self, slot: int) -> str | None:
+        """The session owning ``slot``; ``None`` for dirty, clean or fresh slots."""
+        return self._owners.get(slot)
+
+    def needs_erase(self, slot: int, session: str | None) -> bool:
+        """Whether a job of ``session`` must erase ``slot`` before landing on it."""
+        if slot in self._owners:
+            previous = self._owners[slot]
+            return previous is None or previous != session
+        if slot in self._clean:
+            return False
+        return self.tainted
+
+    def record(self, slot: int, session: str | None) -> None:
+        """A job of ``session`` ran on ``slot`` (``None``: keyless, or unknown content)."""
+        self._clean.discard(slot)
+        self._owners[slot] = session
+        self._tick += 1
+        self._used[slot] = self._tick
+
+    def mark_clean(self, slot: int) -> None:
+        """``slot`` was erased (acknowledged) and nothing ran on it since."""
+        self._owners.pop(slot, None)
+        self._clean.add(slot)
+
+    def last_used(self, slot: int) -> int:
+        return self._used.get(slot, 0)
+
+    def holders(self) -> dict[str, list[int]]:
+        """Session -> the slots it owns, most recently used first."""
+        out: dict[str, list[int]] = {}
+        for slot, session in self._owners.items():
+            if session is not None:
+                out.setdefault(session, []).append(slot)
+        for slots in out.values():
+            if len(slots) > 1:
+                slots.sort(key=self.last_used, reverse=True)
+        return out
+
+    def snapshot(self) -> dict[int, str | None]:
+        """Slot -> hashed session (``None`` for dirty slots), sorted by slot id."""
+        return {
+            slot: (None if session is None else hash_session(session))
+            for slot, session in sorted(self._owners.items())
+        }
+
+
+def choose_slot(
+    free: list[int],
+    *,
+    session: str | None,
+    owners: SlotOwners,
+    wanted: Callable[[str], bool] = lambda _session: False,
+) -> int | None:
+    """Pick the slot a job of ``session`` is pinned to, from ``free`` (not modified).
+
+    The session's own slot first (most recently used); otherwise the cheapest
+    handoff: a slot needing no erase (fresh or clean), then one whose owner has no
+    job waiting in this turn (``wanted`` says which owners do), least recently used
+    first, then the lowest id. ``None`` when ``free`` is empty.
+    """
+    if not free:
+        return None
+    if session is not None:
+        best: int | None = None
+        for slot in free:
+            if owners.owner(slot) == session and (
+                best is None or owners.last_used(slot) > owners.last_used(best)
+            ):
+                best = slot
+        if best is not None:
+            return best
+
+    def cost(slot: int) -> tuple[bool, bool, int, int]:
+        owner = owners.owner(slot)
+        return (
+            owners.needs_erase(slot, session),
+            owner is not None and wanted(owner),
+            owners.last_used(slot),
+            slot,
+        )
+
+    return min(free, key=cost)
+
+
+# --------------------------------------------------------------------------- queues
+
+
+class _JobDeque:
+    """A FIFO of jobs with O(1) removal from anywhere (lazy deletion + compaction).
+
+    A job is a live member while its ``home`` (or ``session_home`` for an index
+    deque) points at this deque; entries that left are skipped at the head and
+    dropped wholesale when they outnumber the live ones.
+    """
+
+    __slots__ = ("_index", "_items", "_key", "_live", "_owner")
+
+    def __init__(
+        self, *, index: bool = False, key: str = "", owner: dict[str, _JobDeque] | None = None
+    ) -> None:
+        self._items: deque[Job] = deque()
+        self._live = 0
+        self._index = index
+        self._key = key
+        self._owner = owner
+
+    def __len__(self) -> int:
+        return self._live
+
+    def __bool__(self) -> bool:
+        return self._live > 0
+
+    def __repr__(self) -> str:
+        return f"<_JobDeque live={self._live} entries={len(self._items)}>"
+
+    def _member(self, job: Job) -> bool:
+        return (job.session_home if self._index else job.home) is self
+
+    def _bind(self, job: Job, value: _JobDeque | None) -> None:
+        if self._index:
+            job.session_home = value
+        else:
+            job.home = value
+
+    def __iter__(self) -> Iterator[Job]:
+        return (job for job in list(self._items) if self._member(job))
+
+    def prefix(self) -> Iterator[Job]:
+        """Live jobs from the head, lazily (stop early; do not mutate meanwhile)."""
+        return (job for job in self._items if self._member(job))
+
+    def append(self, job: Job) -> None:
+        self._bind(job, self)
+        self._items.append(job)
+        self._live += 1
+
+    def head(self) -> Job | None:
+        items = self._items
+        if self._index:
+            while items:
+                job = items[0]
+                if job.session_home is self:
+                    return job
+                items.popleft()
+        else:
+            while items:
+                job = items[0]
+                if job.home is self:
+                    return job
+                items.popleft()
+        return None
+
+    def discard(self, job: Job) -> None:
+        """Remove ``job`` if it is a live member (O(1) amortized: entries that left
+        are dropped from the head as it advances, or all at once when they
+        outnumber the live ones)."""
+        if not self._member(job):
+            return
+        self._bind(job, None)
+        self._live -= 1
+        items = self._items
+        if self._live == 0:
+            items.clear()
+            if self._owner is not None and self._owner.get(self._key) is self:
+                del self._owner[self._key]
+        elif items[0] is job:
+            items.popleft()
+            self.head()  # drop entries that left behind it
+        elif len(items) > _COMPACT_MIN and len(items) > 2 * self._live:
+            if self._index:
+                self._items = deque([j for j in items if j.session_home is self])
+            else:
+                self._items = deque([j for j in items if j.home is self])
+
+    def entries(self) -> int:
+        """Stored entries, live or not (for tests of the compaction bound)."""
+        return len(self._items)
+
+
+class _Model:
+    __slots__ = (
+        "display_name",
+        "group_key",
+        "lane",
+        "loading",
+        "model_id",
+        "owners",
+        "pins",
+        "queue",
+        "running",
+        "sessions",
+        "waiting",
+    )
+
+    def __init__(self, model_id: str, lane: LaneInfo, group_key: str) -> None:
+        self.model_id = model_id
+        self.lane = lane
+        self.display_name = lane.display_name
+        self.group_key = group_key
+        self.queue = _JobDeque()  # queued completions, FIFO (a turn claims a prefix)
+        self.sessions: dict[str, _JobDeque] = {}  # session -> its queued completions
+        self.waiting = 0  # queued jobs of this model (claimed or not, exclusive too)
+        self.running = 0  # admitted completions not yet settled
+        self.pins: dict[int, Job] = {}  # slot -> running job pinned to it
+        self.owners = SlotOwners()
+        self.loading = False
+
+    def __repr__(self) -> str:
+        return f"<_Model {self.model_id} waiting={self.waiting} running={self.running}>"
+
+    def append(self, job: Job) -> None:
+        self.queue.append(job)
+        session = job.session
+        if session is not None:
+            index = self.sessions.get(session)
+            if index is None:
+                index = _JobDeque(index=True, key=session, owner=self.sessions)
+                self.sessions[session] = index
+            index.append(job)
+
+
+class _Turn:
+    """One model's turn in a group: its model's jobs queued below ``bound``, or one
+    exclusive job."""
+
+    __slots__ = ("bound", "exclusive", "model", "ready")
+
+    def __init__(self, model: _Model, *, bound: float = 0, exclusive: Job | None = None) -> None:
+        self.model = model
+        self.exclusive = exclusive
+        self.bound = bound  # jobs of the model with seq < bound are claimed
+        self.ready = False  # ensure_resident returned since the turn last became busy
+
+    def __repr__(self) -> str:
+        what = f"exclusive={self.exclusive.kind}" if self.exclusive else f"bound={self.bound}"
+        return f"<_Turn {self.model.model_id} {what} ready={self.ready}>"
+
+    def head(self) -> Job | None:
+        """The earliest claimed job not yet admitted."""
+        job = self.model.queue.head()
+        return job if job is not None and job.seq < self.bound else None
+
+    def pending_for(self, session: str) -> Job | None:
+        """The earliest claimed job of ``session`` not yet admitted."""
+        index = self.model.sessions.get(session)
+        if index is None:
+            return None
+        job = index.head()
+        return job if job is not None and job.seq < self.bound else None
+
+    def claimed(self) -> list[Job]:
+        out: list[Job] = []
+        for job in self.model.queue.prefix():
+            if job.seq >= self.bound:
+                break
+            out.append(job)
+        return out
+
+
+class _Group:
+    __slots__ = ("active", "exclusive", "key", "last_turn", "models", "turn")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.models: list[_Model] = []
+        self.exclusive = _JobDeque()  # queued exclusive jobs, FIFO
+        self.turn: _Turn | None = None
+        self.last_turn: str | None = None
+        self.active: list[Job] = []  # running exclusive jobs
+
+    def __repr__(self) -> str:
+        return f"<_Group {self.key} turn={self.turn!r} active={len(self.active)}>"
+
+    def running(self, *, other_than: _Model | None = None) -> int:
+        return len(self.active) + sum(m.running for m in self.models if m is not other_than)
+
+
+def _seq(job: Job | None) -> float:
+    return math.inf if job is None else job.seq
+
+
+# --------------------------------------------------------------------------- policy
+
+
+class SchedulerPolicy:
+    """All scheduling decisions, with no I/O. See the module docstring for the rules.
+
+    ``affinity`` turns session-first ordering within a turn on or off; ``pinning``
+    names slot ids (``Grant.slot_id``); ``erase_on_handoff`` marks handoffs for an
+    erase (ownership is tracked either way).
+    """
+
+    def __init__(
+        self,
+        lanes: Iterable[LaneInfo] = (),
+        *,
+        residency: Residency = "swap",
+        max_queue: int = 256,
+        affinity: bool = True,
+        pinning: bool = True,
+        erase_on_handoff: bool = True,
+    ) -> None:
+        if residency not in RESIDENCIES:
+            raise ValueError(f"residency must be 'swap' or 'coexist', not {residency!r}")
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, not {max_queue}")
+        self.residency: Residency = residency
+        self.max_queue = max_queue
+        self.affinity = affinity
+        self.pinning = pinning
+        self.erase_on_handoff = erase_on_handoff
+        self._models: dict[str, _Model] = {}
+        self._groups: dict[str, _Group] = {}
+        self._seq = 0
+        self._queued = 0
+        self._last_turn: str | None = None
+        self._run_ewma_s: float | None = None
+        # counters
+        self.admissions = 0
+        self.unpinned_admissions = 0
+        self.switches = 0
+        self.erases_ok = 0
+        self.erases_failed = 0
+        self.erases_skipped = 0  # handoffs to the same session: KV kept
+        self.slot_polls = 0
+        self.slot_measurements = 0
+        self.slot_measure_failures = 0
+        self.dispatch_passes = 0
+        self.dispatch_seconds = 0.0
+        for lane in lanes:
+            self.add_lane(lane)
+
+    def __repr__(self) -> str:
+        turns = {k: (g.turn.model.model_id if g.turn else None) for k, g in self._groups.items()}
+        return (
+            f"<SchedulerPolicy {self.residency} queued={self._queued}/{self.max_queue} "
+            f"turns={turns}>"
+        )
+
+    # ------------------------------------------------------------------ lanes
+
+    def _group_key(self, model_id: str) -> str:
+        return _SWAP_GROUP if self.residency == "swap" else model_id
+
+    def _group_for(self, key: str) -> _Group:
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = _Group(key)
+            group.last_turn = self._last_turn if key == _SWAP_GROUP else None
+        return group
+
+    @property
+    def model_ids(self) -> tuple[str, ...]:
+        return tuple(self._models)
+
+    def add_lane(self, lane: LaneInfo) -> None:
+        """Register a model. Raises ValueError if its id is already registered."""
+        model_id = lane.model_id
+        if model_id in self._models:
+            raise ValueError(f"model {model_id!r} already has a lane")
+        key = self._group_key(model_id)
+        model = _Model(model_id, lane, key)
+        self._models[model_id] = model
+        self._group_for(key).models.append(model)
+
+    def remove_lane(self, model_id: str) -> list[Job]:
+        """Unregister a model. Its queued jobs are returned, marked FAILED, for the
+        caller to fail; its running jobs settle normally but no longer hold a turn
+        (in ``swap`` mode another model may be switched in while they finish).
+        Raises UnknownModel for an id that has no lane."""
+        model = self._models.pop(model_id, None)
+        if model is None:
+            raise UnknownModel(f"model {model_id!r} is not served by this scheduler")
+        group = self._groups[model.group_key]
+        failed = [*model.queue, *(j for j in group.exclusive if j.model_state is model)]
+        turn = group.turn
+        if turn is not None and turn.model is model:
+            if turn.exclusive is not None and turn.exclusive.state is JobState.QUEUED:
+                failed.append(turn.exclusive)
+            group.turn = None
+        for job in failed:
+            self._unqueue(job, JobState.FAILED)
+        group.models.remove(model)
+        if not group.models and not group.active:
+            del self._groups[group.key]
+        return failed
+
+    def set_residency(self, residency: Residency) -> None:
+        """Regroup live. Every turn restarts (its claims lapse, FIFO order is kept,
+        and residency is re-ensured); running jobs and exclusive ops keep running
+        and count against their new group."""
+        if residency not in RESIDENCIES:
+            raise ValueError(f"residency must be 'swap' or 'coexist', not {residency!r}")
+        if residency == self.residency:
+            return
+        exclusives: list[Job] = []
+        active: list[Job] = []
+        for group in self._groups.values():
+            active.extend(group.active)
+            exclusives.extend(group.exclusive)
+            turn = group.turn
+            if turn is not None and turn.exclusive and turn.exclusive.state is JobState.QUEUED:
+                exclusives.append(turn.exclusive)
+        exclusives.sort(key=lambda j: j.seq)
+        self.residency = residency
+        self._groups = {}
+        for model in self._models.values():
+            model.group_key = self._group_key(model.model_id)
+            self._group_for(model.group_key).models.append(model)
+        for job in exclusives:
+            assert job.model_state is not None
+            self._group_for(job.model_state.group_key).exclusive.append(job)
+        for job in active:
+            assert job.model_state is not None
+            self._group_for(self._group_key(job.model_id)).active.append(job)
+        if residency == "coexist" and self._last_turn in self._groups:
+            self._groups[self._last_turn].last_turn = self._last_turn
+
+    # ------------------------------------------------------------------ queue
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def enqueue(self, job: Job, *, now: float) -> Job:
+        """Queue ``job`` (assigns its ``seq``). Raises UnknownModel or QueueFull."""
+        model = self._models.get(job.model_id)
+        if model is None:
+            raise UnknownModel(f"model {job.model_id!r} is not served by this scheduler")
+        if job.kind not in JOB_KINDS:
+            raise ValueError(f"unknown job kind {job.kind!r}")
+        if self._queued >= self.max_queue:
+            raise QueueFull(
+                f"the scheduler queue is full ({self._queued} of {self.max_queue} waiting)",
+                retry_after=self.retry_after(),
+            )
+        job.seq = self._seq
+        self._seq += 1
+        job.submitted_at = now
+        job.state = JobState.QUEUED
+        job.model_state = model
+        if job.exclusive:
+            self._groups[model.group_key].exclusive.append(job)
+        else:
+            model.append(job)
+        model.waiting += 1
+        self._queued += 1
+        return job
+
+    def cancel(self, job: Job) -> bool:
+        """Take a queued job out of the queue. False if it is no longer queued."""
+        if job.state is not JobState.QUEUED:
+            return False
+        self._unqueue(job, JobState.CANCELLED)
+        return True
+
+    def _detach(self, job: Job) -> None:
+        home = job.home
+        if home is not None:
+            home.discard(job)
+        index = job.session_home
+        if index is not None:
+            index.discard(job)
+
+    def _unqueue(self, job: Job, state: JobState) -> None:
+        self._detach(job)
+        job.state = state
+        model = job.model_state
+        if model is not None:
+            model.waiting -= 1
+        self._queued -= 1
+
+    def fail_all(self) -> list[Job]:
+        """Every queued job, marked FAILED (shutdown): the caller fails them."""
+        failed: list[Job] = []
+        for group in self._groups.values():
+            failed.extend(group.exclusive)
+            turn = group.turn
+            if turn is not None and turn.exclusive and turn.exclusive.state is JobState.QUEUED:
+                failed.append(turn.exclusive)
+        for model in self._models.values():
+            failed.extend(model.queue)
+        for job in failed:
+            self._unqueue(job, JobState.FAILED)
+        return failed
+
+    def retry_after(self) -> int:
+        """Seconds a refused client should wait: the queue's expected drain time
+        (mean job duration x queued / total slots), clamped to 1..60."""
+        ewma = self._run_ewma_s if self._run_ewma_s is not None else 1.0
+        slots = sum(max(1, m.lane.parallel) for m in self._models.values()) or 1
+        if self.residency == "swap":
+            slots = max((max(1, m.lane.parallel) for m in self._models.values()), default=1)
+        return int(min(60, max(1, math.ceil(ewma * self._queued / slots))))
+
+    # ------------------------------------------------------------------ turns
+
+    def _head(self, group: _Group, *, skip: _Model | None = None) -> Job | None:
+        """The group's earliest queued job (skipping one model's queue)."""
+        best = group.exclusive.head()
+        for model in group.models:
+            if model is skip:
+                continue
+            job = model.queue.head()
+            if job is not None and (best is None or job.seq < best.seq):
+                best = job
+        return best
+
+    def _pick(self, group: _Group) -> _Model | None:
+        """The next turn's model: the earliest-queued model other than the one that
+        just ran, among jobs ahead of the first exclusive op; else that same model."""
+        barrier = _seq(group.exclusive.head())
+        other: _Model | None = None
+        other_seq = math.inf
+        same: _Model | None = None
+        for model in group.models:
+            job = model.queue.head()
+            if job is None or job.seq > barrier:
+                continue
+            if model.model_id == group.last_turn:
+                same = model
+            elif job.seq < other_seq:
+                other, other_seq = model, job.seq
+        return other if other is not None else same
+
+    def _start_turn(self, group: _Group) -> _Turn | None:
+        head = self._head(group)
+        if head is None:
+            return None
+        if head.exclusive:
+            model = head.model_state
+            assert model is not None
+            if group.running() > 0:
+                return None  # exclusive ops start from a drained engine
+            group.exclusive.discard(head)
+            turn = _Turn(model, exclusive=head)
+        else:
+            picked = self._pick(group)
+            if picked is None:  # pragma: no cover - head is a completion, so some model has one
+                return None
+            model = picked
+            if group.running(other_than=model) > 0:
+                return None  # switch only from a drained engine
+            # every queued job of its model, up to the first exclusive op
+            turn = _Turn(model, bound=min(_seq(group.exclusive.head()), self._seq))
+        previous = group.last_turn
+        if self.residency == "swap" and previous is not None and previous != model.model_id:
+            self.switches += 1
+            outgoing = self._models.get(previous)
+            if outgoing is not None:
+                outgoing.owners.forget()  # its engine is being swapped out
+        group.turn = turn
+        group.last_turn = self._last_turn = model.model_id
+        return turn
+
+    def _absorb(self, group: _Group, turn: _Turn) -> None:
+        """Claim same-model jobs while they are at the head of the group's queue:
+        every job of the model queued before the earliest job of anyone else."""
+        if not turn.model.queue:
+            return
+        limit = min(_seq(self._head(group, skip=turn.model)), self._seq)
+        if limit > turn.bound:
+            turn.bound = limit
+
+    def _has_queued(self, group: _Group) -> bool:
+        return bool(group.exclusive) or any(m.queue for m in group.models)
+
+    def plan(self) -> list[Action]:
+        """Re-derive what to do now, for every group: loads to start, exclusive jobs
+        to start, models whose slots to measure for admission. Marks planned loads
+        (``loading``) and started exclusive jobs (RUNNING) so they are not repeated."""
+        actions: list[Action] = []
+        for group in list(self._groups.values()):
+            self._plan_group(group, actions)
+        return actions
+
+    def _plan_group(self, group: _Group, actions: list[Action]) -> None:
+        if group.active:
+            return  # an exclusive op owns the engine
+        while True:
+            turn = group.turn
+            if turn is None:
+                turn = self._start_turn(group)
+                if turn is None:
+                    return
+            model = turn.model
+            job = turn.exclusive
+            if job is not None:
+                if job.state is not JobState.QUEUED:  # cancelled while waiting its turn
+                    group.turn = None
+                    continue
+                if not turn.ready:  # (the group was drained when the turn started)
+                    self._want_load(model, actions)
+                    return
+                self._unqueue_to_running(job)
+                group.active.append(job)
+                actions.append(RunExclusive(job))
+                return
+            self._absorb(group, turn)
+            if turn.head() is None:
+                if model.running == 0:
+                    if self._has_queued(group):
+                        group.turn = None  # drained, and someone else is at the head
+                        continue
+                    turn.ready = False  # idle open turn: re-ensure residency on next use
+                return
+            if not turn.ready:
+                self._want_load(model, actions)
+                return
+            if model.running < max(1, model.lane.parallel):
+                actions.append(Admit(model.model_id))
+            return
+
+    def _want_load(self, model: _Model, actions: list[Action]) -> None:
+        if not model.loading:
+            model.loading = True
+            actions.append(Load(model.model_id))
+
+    def _unqueue_to_running(self, job: Job) -> None:
+        self._detach(job)
+        job.state = JobState.RUNNING
+        model = job.model_state
+        assert model is not None
+        model.waiting -= 1
+        self._queued -= 1
+
+    def load_done(self, model_id: str) -> None:
+        """``ensure_resident`` returned for ``model_id``: its turn may admit."""
+        model = self._models.get(model_id)
+        if model is None:
+            return
+        model.loading = False
+        model.owners.sync(model.lane.generation)
+        group = self._groups.get(model.group_key)
+        if group is not None and group.turn is not None and group.turn.model is model:
+            group.turn.ready = True
+
+    def load_aborted(self, model_id: str) -> None:
+        """The load was cancelled (shutdown): no verdict either way."""
+        model = self._models.get(model_id)
+        if model is not None:
+            model.loading = False
+
+    def load_failed(self, model_id: str) -> list[Job]:
+        """``ensure_resident`` raised: the turn's claimed jobs (or its exclusive job)
+        are returned marked FAILED for the caller to fail, and the turn retires so
+        the next request for the model retries."""
+        model = self._models.get(model_id)
+        if model is None:
+            return []
+        model.loading = False
+        group = self._groups.get(model.group_key)
+        if group is None or group.turn is None or group.turn.model is not model:
+            return []
+        turn = group.turn
+        failed = turn.claimed() if turn.exclusive is None else []
+        if turn.exclusive is not None and turn.exclusive.state is JobState.QUEUED:
+            failed.append(turn.exclusive)
+        for job in failed:
+            self._unqueue(job, JobState.FAILED)
+        if model.running == 0:
+            group.turn = None
+        else:
+            turn.ready = False
+        return failed
+
+    # ------------------------------------------------------------------ admission
+
+    def admit(self, model_id: str, measured: SlotMeasurement | None, *, now: float) -> Admission:
+        """Admit jobs of ``model_id``'s turn against ``measured`` (taken just now).
+
+        Re-derives everything (the turn may have changed while the measurement was
+        in flight). Each admitted job is RUNNING, carries its pin (``slot_id``) and
+        whether its slot must be erased first (``erase``).
+        """
+        model = self._models.get(model_id)
+        if model is None:
+            return _NOTHING
+        group = self._groups[model.group_key]
+        turn = group.turn
+        if group.active or turn is None or turn.model is not model or turn.exclusive is not None:
+            return _NOTHING
+        if not turn.ready:
+            return _NOTHING
+        self._absorb(group, turn)
+        if turn.head() is None:
+            return _NOTHING
+        lane = model.lane
+        generation = lane.generation
+        owners = model.owners
+        owners.sync(generation)
+        room = admission_capacity(max(1, lane.parallel), model.running, measured)
+        if room <= 0:
+            return Admission(poll=model.running == 0)
+        free = free_slot_ids(measured, model.pins) if self.pinning else None
+        holders = owners.holders() if (self.affinity or free) else {}
+
+        def wanted(session: str) -> bool:
+            return turn.pending_for(session) is not None
+
+        admitted: list[Job] = []
+        while room > 0:
+            job = self._next(turn, holders)
+            if job is None:
+                break
+            slot = None
+            if free is not None:
+                slot = choose_slot(free, session=job.session, owners=owners, wanted=wanted)
+                if slot is not None:
+                    free.remove(slot)
+            self._start(model, job, slot, generation, now)
+            admitted.append(job)
+            room -= 1
+        return Admission(tuple(admitted))
+
+    def _next(self, turn: _Turn, holders: Mapping[str, list[int]]) -> Job | None:
+        """Affinity: the earliest job whose session holds a slot, else the FIFO head."""
+        if self.affinity and holders:
+            best: Job | None = None
+            for session in holders:
+                job = turn.pending_for(session)
+                if job is not None and (best is None or job.seq < best.seq):
+                    best = job
+            if best is not None:
+                return best
+        return turn.head()
+
+    def _start(
+        self, model: _Model, job: Job, slot: int | None, generation: int, now: float
+    ) -> None:
+        self._unqueue_to_running(job)
+        job.slot_id = slot
+        job.generation = generation
+        job.admitted_at = now
+        model.running += 1
+        self.admissions += 1
+        if slot is None:
+            # The engine picks the slot; we cannot know which. Nothing can be
+            # recorded for it, and any slot we track may now hold this job's KV.
+            self.unpinned_admissions += 1
+            model.owners.forget()
+            job.erase = False
+            return
+        model.pins[slot] = job
+        if model.owners.needs_erase(slot, job.session):
+            job.erase = self.erase_on_handoff
+        else:
+            job.erase = False
+            if model.owners.owned(slot):
+                self.erases_skipped += 1
+
+    def settle(self, job: Job, *, now: float) -> None:
+        """``job`` left its ``async with`` block (finished, failed or cancelled).
+
+        Records ownership: a job that ran owns its slot (dirty if a needed erase was
+        not acknowledged); an erased slot nobody ran on is clean; an unpinned job
+        that ran taints the model's map. Records nothing across a generation change.
+        """
+        if job.state is not JobState.RUNNING:
+            return
+        job.state = JobState.DONE
+        model = job.model_state
+        assert model is not None
+        if job.admitted_at is not None:
+            took = max(0.0, now - job.admitted_at)
+            ewma = self._run_ewma_s
+            self._run_ewma_s = took if ewma is None else 0.8 * ewma + 0.2 * took
+        if job.exclusive:
+            group = self._groups.get(model.group_key)
+            if group is not None:
+                if job in group.active:
+                    group.active.remove(job)
+                if group.turn is not None and group.turn.exclusive is job:
+                    group.turn = None
+            model.owners.forget()  # the op used the engine's slots as it pleased
+            return
+        model.running -= 1
+        slot = job.slot_id
+        if slot is not None and model.pins.get(slot) is job:
+            del model.pins[slot]
+        owners = model.owners
+        owners.sync(model.lane.generation)
+        if job.generation != owners.generation:
+            return  # the engine restarted under the job: its slots are fresh
+        if slot is None:
+            if job.ran:
+                owners.forget()
+        elif job.ran:
+            if job.erase and not job.erase_ok:
+                owners.record(slot, None)  # unerased handoff: content unknown
+            else:
+                owners.record(slot, job.session)
+        elif job.erase and job.erase_ok:
+            owners.mark_clean(slot)
+
+    def forget_slots(self, model_id: str) -> None:
+        """Drop ``model_id``'s slot owners (see :meth:`SlotOwners.forget`)."""
+        model = self._models.get(model_id)
+        if model is not None:
+            model.owners.forget()
+
+    # ------------------------------------------------------------------ counters, stats
+
+    def note_erase(self, *, ok: bool) -> None:
+        if ok:
+            self.erases_ok += 1
+        else:
+            self.erases_failed += 1
+
+    def note_measurement(self, *, ok: bool) -> None:
+        self.slot_measurements += 1
+        if not ok:
+            self.slot_measure_failures += 1
+
+    def note_poll(self) -> None:
+        self.slot_polls += 1
+
+    def note_pass(self, seconds: float) -> None:
+        self.dispatch_passes += 1
+        self.dispatch_seconds += seconds
+
+    def running_count(self, model_id: str) -> int:
+        model = self._models.get(model_id)
+        return 0 if model is None else model.running
+
+    def owners_of(self, model_id: str) -> SlotOwners:
+        return self._models[model_id].owners
+
+    def snapshot(self) -> SchedulerStats:
+        waiting: dict[str, int] = {}
+        waiting_ids: dict[str, int] = {}
+        running: dict[str, int] = {}
+        owners: dict[str, dict[int, str | None]] = {}
+        loading: list[str] = []
+        for model in self._models.values():
+            if model.waiting:
+                waiting_ids[model.model_id] = model.waiting
+                waiting[model.display_name] = waiting.get(model.display_name, 0) + model.waiting
+            if model.running:
+                running[model.model_id] = model.running
+            if model.loading:
+                loading.append(model.model_id)
+            if model.owners.generation == model.lane.generation and len(model.owners):
+                owners[model.model_id] = model.owners.snapshot()
+        active = tuple(
+            ActiveOp(job.model_id, job.kind) for g in self._groups.values() for job in g.active
+        )
+        return SchedulerStats(
+            residency=self.residency,
+            queued=self._queued,
+            max_queue=self.max_queue,
+            waiting=waiting,
+            waiting_model_ids=waiting_ids,
+            running=running,
+            last_turn=self._last_turn,
+            turns={k: (g.turn.model.model_id if g.turn else None) for k, g in self._groups.items()},
+            active=active[0] if active else None,
+            active_ops=active,
+            loading=tuple(loading),
+            slot_owners=owners,
+            erases={
+                "ok": self.erases_ok,
+                "failed": self.erases_failed,
+                "skipped_same_session": self.erases_skipped,
+            },
+            admissions=self.admissions,
+            unpinned_admissions=self.unpinned_admissions,
+            switches=self.switches,
+            slot_polls=self.slot_polls,
+            slot_measurements=self.slot_measurements,
+            slot_measure_failures=self.slot_measure_failures,
+            dispatch_passes=self.dispatch_passes,
+            dispatch_seconds=self.dispatch_seconds,
+        )

@@ -1,0 +1,606 @@
+"""The scheduler's pure policy: ordering, turns, fairness, capacity, ownership, pinning.
+
+No event loop: these drive :class:`SchedulerPolicy` by hand, the way the Trio
+dispatcher does (plan, perform the action, report back).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gezel_trio.errors import QueueFull, UnknownModel
+from gezel_trio.scheduler.policy import (
+    Admit,
+    Job,
+    JobKind,
+    JobState,
+    Load,
+    RunExclusive,
+    SchedulerPolicy,
+    SlotMeasurement,
+    SlotOwners,
+    _JobDeque,
+    admission_capacity,
+    choose_slot,
+    free_slot_ids,
+    hash_session,
+)
+
+
+@dataclass
+class Lane:
+    model_id: str
+    parallel: int = 2
+    generation: int = 1
+    display_name: str = ""
+
+
+Measure = Callable[[str], SlotMeasurement | None]
+
+
+class Driver:
+    """Plays the Trio layer: plans, loads, measures, admits, settles."""
+
+    def __init__(self, *models: str, parallel: int = 2, **options: Any) -> None:
+        self.lanes = {m: Lane(m, parallel=parallel, display_name=m.upper()) for m in models}
+        self.policy = SchedulerPolicy(self.lanes.values(), **options)
+        self.now = 0.0
+        self.loads: list[str] = []
+        self.started: list[Job] = []
+        self.external: dict[str, set[int]] = {m: set() for m in models}
+        self.measure: Measure = self.engine_view
+
+    def engine_view(self, model_id: str) -> SlotMeasurement:
+        """What /slots says: slots not taken by our running jobs nor by outsiders."""
+        lane = self.lanes[model_id]
+        busy = {
+            j.slot_id
+            for j in self.started
+            if j.state is JobState.RUNNING and j.model_id == model_id
+        }
+        idle = tuple(
+            i for i in range(lane.parallel) if i not in busy and i not in self.external[model_id]
+        )
+        return SlotMeasurement(idle=len(idle), ids=idle)
+
+    def submit(self, model: str, session: str | None = None, kind: JobKind = "completion") -> Job:
+        return self.policy.enqueue(Job(model_id=model, kind=kind, session=session), now=self.now)
+
+    def step(self, *, fail_loads: frozenset[str] = frozenset()) -> list[Job]:
+        """Plan and act until nothing changes; returns the jobs started."""
+        started: list[Job] = []
+        for _ in range(100):
+            actions = self.policy.plan()
+            if not actions:
+                break
+            progressed = False
+            for action in actions:
+                if isinstance(action, Load):
+                    self.loads.append(action.model_id)
+                    if action.model_id in fail_loads:
+                        self.policy.load_failed(action.model_id)
+                    else:
+                        self.policy.load_done(action.model_id)
+                    progressed = True
+                elif isinstance(action, RunExclusive):
+                    started.append(action.job)
+                    progressed = True
+                elif isinstance(action, Admit):
+                    got = self.policy.admit(
+                        action.model_id, self.measure(action.model_id), now=self.now
+                    ).jobs
+                    started.extend(got)
+                    progressed = progressed or bool(got)
+            if not progressed:
+                break
+        self.started.extend(started)
+        return started
+
+    def settle(self, job: Job, *, ran: bool = True, erase_ok: bool | None = None) -> None:
+        job.ran = ran
+        if job.erase:
+            job.erase_ok = True if erase_ok is None else erase_ok
+        self.policy.settle(job, now=self.now)
+
+
+def seqs(jobs: list[Job]) -> list[int]:
+    return [j.seq for j in jobs]
+
+
+# --------------------------------------------------------------------------- capacity
+
+
+@pytest.mark.parametrize(
+    ("parallel", "running", "measured", "expected"),
+    [
+        (2, 0, None, 2),  # unknown: trust the profile
+        (2, 1, None, 1),
+        (2, 1, SlotMeasurement(1), 1),  # one chat live: idle already excludes it
+        (4, 1, SlotMeasurement(3), 3),
+        (4, 1, SlotMeasurement(1), 1),  # outside traffic holds two slots
+        (4, 0, SlotMeasurement(0), 0),
+        (2, 2, SlotMeasurement(2), 0),  # our ceiling, though the sample lags
+        (1, 3, None, 0),  # the ceiling was lowered under running jobs
+    ],
+)
+def test_admission_capacity_is_min_never_both_subtracted(
+    parallel: int, running: int, measured: SlotMeasurement | None, expected: int
+) -> None:
+    assert admission_capacity(parallel, running, measured) == expected
+
+
+def test_free_slot_ids_excludes_pins_and_needs_named_ids() -> None:
+    assert free_slot_ids(SlotMeasurement(3, (0, 1, 2)), frozenset({1})) == [0, 2]
+    assert free_slot_ids(SlotMeasurement(3), frozenset()) is None
+    assert free_slot_ids(None, frozenset()) is None
+
+
+# --------------------------------------------------------------------------- ownership
+
+
+def test_slot_owners_decide_erases() -> None:
+    owners = SlotOwners()
+    owners.sync(1)
+    assert not owners.needs_erase(0, "s1")  # fresh
+    owners.record(0, "s1")
+    assert not owners.needs_erase(0, "s1")  # same session keeps its KV
+    assert owners.needs_erase(0, "s2")
+    assert owners.needs_erase(0, None)
+    owners.record(1, None)  # keyless
+    assert owners.needs_erase(1, None) and owners.needs_erase(1, "s1")
+    owners.mark_clean(1)
+    assert not owners.needs_erase(1, "s2")
+    assert owners.sync(1) is False and owners.owner(0) == "s1"
+    assert owners.sync(2) is True  # engine restarted: every slot fresh
+    assert not owners.needs_erase(0, "s2") and len(owners) == 0
+
+
+def test_forget_without_restart_erases_each_slot_once() -> None:
+    owners = SlotOwners()
+    owners.sync(1)
+    owners.record(0, "s1")
+    owners.forget()
+    assert len(owners) == 0 and owners.tainted
+    assert owners.needs_erase(0, "s1") and owners.needs_erase(3, None)
+    owners.record(0, "s2")
+    assert not owners.needs_erase(0, "s2")
+    owners.mark_clean(3)
+    assert not owners.needs_erase(3, "s9")
+    owners.sync(2)
+    assert not owners.tainted and not owners.needs_erase(5, "x")
+
+
+def test_slot_owners_snapshot_hashes_sessions() -> None:
+    owners = SlotOwners()
+    owners.sync(1)
+    owners.record(1, "key-123")
+    owners.record(0, None)
+    assert owners.snapshot() == {0: None, 1: hash_session("key-123")}
+    assert "key-123" not in repr(owners.snapshot())
+
+
+def test_choose_slot_prefers_own_then_fresh_then_unwanted_lru() -> None:
+    owners = SlotOwners()
+    owners.sync(1)
+    owners.record(0, "s0")
+    owners.record(1, "s1")
+    owners.record(2, "s1")
+    owners.record(0, "s0")  # slot 0 used most recently
+    assert choose_slot([0, 1, 2, 3], session="s1", owners=owners) == 2  # own, most recent
+    assert choose_slot([0, 1, 3], session="s9", owners=owners) == 3  # fresh: no erase
+    # no fresh slot: the owner with no waiting job, least recently used first
+    assert choose_slot([0, 1], session="s9", owners=owners) == 1
+    assert choose_slot([0, 1], session="s9", owners=owners, wanted=lambda s: s == "s1") == 0
+    assert choose_slot([], session="s1", owners=owners) is None
+
+
+# --------------------------------------------------------------------------- turns
+
+
+def test_turn_claims_its_model_up_to_the_first_exclusive_op() -> None:
+    d = Driver("a", "b", parallel=8)
+    a1, b1, a2 = d.submit("a"), d.submit("b"), d.submit("a")
+    x = d.submit("a", kind="calibrate")
+    a3 = d.submit("a")
+    assert seqs(d.step()) == seqs([a1, a2])  # a3 is behind the calibration
+    assert d.loads == ["a"]
+    for job in (a1, a2):
+        d.settle(job)
+    assert seqs(d.step()) == seqs([b1])  # b1 was at the head, ahead of the op
+    d.settle(b1)
+    assert d.step() == [x]
+    assert x.state is JobState.RUNNING and x.slot_id is None
+    d.settle(x)
+    assert seqs(d.step()) == seqs([a3])
+
+
+def test_open_turn_absorbs_only_while_its_model_is_at_the_head() -> None:
+    d = Driver("a", "b", parallel=8)
+    a1 = d.submit("a")
+    assert d.step() == [a1]
+    a2 = d.submit("a")
+    assert d.step() == [a2]  # joins the running turn at once
+    d.settle(a1)
+    d.settle(a2)
+    d.step()
+    a3 = d.submit("a")
+    assert d.step() == [a3]  # the drained turn is still open
+    assert d.loads == ["a", "a"]  # residency re-ensured after the turn went idle
+    b1 = d.submit("b")
+    a4 = d.submit("a")
+    assert d.step() == []  # b1 is at the head: the turn stops absorbing
+    d.settle(a3)
+    assert d.step() == [b1]
+    d.settle(b1)
+    assert d.step() == [a4]
+
+
+def test_turn_retires_only_after_its_claimed_jobs_ran() -> None:
+    d = Driver("a", "b", parallel=1)
+    a1, a2 = d.submit("a"), d.submit("a")
+    b1 = d.submit("b")
+    assert d.step() == [a1]
+    d.settle(a1)
+    assert d.step() == [a2]  # claimed before b1 arrived: still a's turn
+    d.settle(a2)
+    assert d.step() == [b1]
+    assert d.policy.switches == 1
+
+
+def test_next_turn_prefers_another_model() -> None:
+    d = Driver("a", "b", "c", parallel=4)
+    a1 = d.submit("a")
+    d.step()
+    x = d.submit("a", kind="benchmark")
+    a2, c1 = d.submit("a"), d.submit("c")
+    d.settle(a1)
+    assert d.step() == [x]
+    d.settle(x)
+    assert d.step() == [c1]  # a just ran: c goes first though a2 is older
+    d.settle(c1)
+    assert d.step() == [a2]
+
+
+def test_nothing_is_admitted_while_an_exclusive_op_runs() -> None:
+    d = Driver("a", parallel=4)
+    x = d.submit("a", kind="sweep")
+    assert d.step() == [x]
+    a1 = d.submit("a")
+    assert d.step() == []
+    assert d.policy.snapshot().active is not None
+    d.settle(x)
+    assert d.step() == [a1]
+
+
+def test_exclusive_op_waits_for_every_model_of_its_group_to_drain() -> None:
+    d = Driver("a", "b", parallel=2, residency="coexist")
+    a1, b1 = d.submit("a"), d.submit("b")
+    assert {j.seq for j in d.step()} == {a1.seq, b1.seq}
+    d.policy.set_residency("swap")
+    x = d.submit("a", kind="benchmark")
+    d.settle(a1)
+    assert d.step() == []  # b1 still runs on the same GPU
+    d.settle(b1)
+    assert d.step() == [x]
+
+
+def test_swap_never_mixes_models_and_coexist_does() -> None:
+    d = Driver("a", "b", parallel=2)
+    a1, b1 = d.submit("a"), d.submit("b")
+    assert d.step() == [a1]
+    d.policy.set_residency("coexist")
+    assert d.step() == [b1]
+    assert d.policy.snapshot().running == {"a": 1, "b": 1}
+
+
+def test_set_residency_returns_claimed_jobs_in_fifo_order() -> None:
+    d = Driver("a", "b", parallel=1, residency="coexist")
+    a1, a2, b1, a3 = d.submit("a"), d.submit("a"), d.submit("b"), d.submit("a")
+    assert {j.seq for j in d.step()} == {a1.seq, b1.seq}
+    d.policy.set_residency("swap")
+    d.settle(b1)
+    assert d.step() == []  # a1 still running: a's turn (a2 is at the head)
+    d.settle(a1)
+    assert d.step() == [a2]
+    d.settle(a2)
+    assert d.step() == [a3]
+
+
+# --------------------------------------------------------------------------- affinity, pinning
+
+
+def test_affinity_runs_slot_holders_first_then_fifo() -> None:
+    d = Driver("a", parallel=2)
+    s1, s2 = d.submit("a", "s1"), d.submit("a", "s2")
+    assert [j.slot_id for j in d.step()] == [0, 1]
+    d.settle(s1)
+    d.settle(s2)
+    k1, x1, s2b, k2, s1b = (
+        d.submit("a"),
+        d.submit("a", "s3"),
+        d.submit("a", "s2"),
+        d.submit("a"),
+        d.submit("a", "s1"),
+    )
+    started = d.step()
+    assert started == [s2b, s1b]  # slot holders first, FIFO among them
+    assert [j.slot_id for j in started] == [1, 0]  # each on its own slot
+    assert not any(j.erase for j in started)
+    for job in started:
+        d.settle(job)
+    started = d.step()
+    assert started == [k1, x1]  # then FIFO, keyless included
+    assert all(j.erase for j in started)
+    for job in started:
+        d.settle(job)
+    assert d.step() == [k2]
+
+
+def test_affinity_off_is_plain_fifo() -> None:
+    d = Driver("a", parallel=1, affinity=False)
+    s1 = d.submit("a", "s1")
+    d.step()
+    k1, s1b = d.submit("a"), d.submit("a", "s1")
+    d.settle(s1)
+    assert d.step() == [k1]
+    d.settle(k1)
+    assert d.step() == [s1b]
+
+
+def test_pins_are_distinct_and_exclude_running_pins() -> None:
+    d = Driver("a", parallel=4)
+    # The engine has not seen our jobs yet: every sample reports all four slots idle.
+    d.measure = lambda model: SlotMeasurement(idle=4, ids=(0, 1, 2, 3))
+    first = [d.submit("a") for _ in range(2)]
+    assert [j.slot_id for j in d.step()] == [0, 1]
+    later = [d.submit("a") for _ in range(3)]
+    got = d.step()
+    assert [j.slot_id for j in got] == [2, 3]  # capacity 2 (4 - 2 running), pins 2 and 3
+    assert later[2].state is JobState.QUEUED
+    d.settle(first[0])
+    got = d.step()
+    assert [j.slot_id for j in got] == [0]
+
+
+def test_no_honest_pin_without_ids_or_when_the_named_pool_is_exhausted() -> None:
+    d = Driver("a", parallel=3)
+    d.measure = lambda model: SlotMeasurement(idle=2)  # a count, no per-slot rows
+    first = [d.submit("a"), d.submit("a")]
+    assert d.step() == first
+    assert [j.slot_id for j in first] == [None, None]
+    for job in first:
+        d.settle(job)
+    d.measure = lambda model: SlotMeasurement(idle=2, ids=(2,))  # names fewer than it counts
+    second = [d.submit("a"), d.submit("a")]
+    assert d.step() == second
+    assert [j.slot_id for j in second] == [2, None]
+    assert d.policy.unpinned_admissions == 3
+
+
+def test_unpinned_job_taints_the_owner_map() -> None:
+    d = Driver("a", parallel=2)
+    s1 = d.submit("a", "s1")
+    d.step()
+    d.settle(s1)
+    assert d.policy.owners_of("a").owner(0) == "s1"
+    d.measure = lambda model: None
+    k = d.submit("a")
+    d.step()
+    assert k.slot_id is None
+    d.settle(k)
+    d.measure = d.engine_view
+    s1b = d.submit("a", "s1")
+    d.step()
+    assert s1b.slot_id == 0 and s1b.erase  # the keyless job may have landed on slot 0
+
+
+@pytest.mark.parametrize(
+    ("ran", "erase_ok", "expect_owner", "expect_erase_next"),
+    [
+        (True, True, "s2", False),  # handoff done: s2 owns the slot
+        (True, False, None, True),  # erase failed, job ran: content unknown
+        (False, True, None, False),  # erased, never ran: clean
+        (False, False, "s1", True),  # erase not acknowledged: still s1's KV
+    ],
+)
+def test_settle_records_ownership(
+    ran: bool, erase_ok: bool, expect_owner: str | None, expect_erase_next: bool
+) -> None:
+    d = Driver("a", parallel=1)
+    s1 = d.submit("a", "s1")
+    d.step()
+    d.settle(s1)
+    s2 = d.submit("a", "s2")
+    d.step()
+    assert s2.erase
+    d.settle(s2, ran=ran, erase_ok=erase_ok)
+    owners = d.policy.owners_of("a")
+    assert owners.owner(0) == expect_owner
+    assert owners.needs_erase(0, "s2") is expect_erase_next
+
+
+def test_nothing_is_recorded_across_an_engine_restart() -> None:
+    d = Driver("a", parallel=1)
+    s1 = d.submit("a", "s1")
+    d.step()
+    d.lanes["a"].generation += 1
+    d.settle(s1)
+    assert len(d.policy.owners_of("a")) == 0
+    s2 = d.submit("a", "s2")
+    d.step()
+    assert not s2.erase
+
+
+def test_erase_on_handoff_off_tracks_but_never_erases() -> None:
+    d = Driver("a", parallel=1, erase_on_handoff=False)
+    s1 = d.submit("a", "s1")
+    d.step()
+    d.settle(s1)
+    s2 = d.submit("a", "s2")
+    d.step()
+    assert not s2.erase
+    d.settle(s2)
+    assert d.policy.owners_of("a").owner(0) == "s2"
+
+
+# --------------------------------------------------------------------------- queue
+
+
+def test_cancel_and_queue_bound() -> None:
+    d = Driver("a", parallel=1, max_queue=3)
+    a1 = d.submit("a")
+    d.step()
+    queued = [d.submit("a", f"s{i}") for i in range(3)]
+    with pytest.raises(QueueFull) as info:
+        d.submit("a")
+    assert info.value.retry_after >= 1
+    assert d.policy.cancel(queued[1]) and not d.policy.cancel(queued[1])
+    assert d.policy.queued == 2 and d.policy.snapshot().waiting_model_ids == {"a": 2}
+    d.submit("a")  # room again
+    d.settle(a1)
+    assert d.step() == [queued[0]]
+    with pytest.raises(UnknownModel):
+        d.submit("nope")
+
+
+def test_lazy_deques_stay_bounded_under_cancel_churn() -> None:
+    d = Driver("a", "b", parallel=1, max_queue=10)
+    d.submit("a")
+    d.step()
+    d.submit("b")  # stuck behind a's turn: the head of b's queue
+    for _ in range(5000):
+        d.policy.cancel(d.submit("b", "s"))
+    deque_b = d.policy._models["b"].queue  # the memory bound is the point
+    assert len(deque_b) == 1 and deque_b.entries() <= 2 * 64 + 2
+
+
+def test_job_deque_removal_anywhere() -> None:
+    q = _JobDeque()
+    jobs = [Job(model_id="a", seq=i) for i in range(200)]
+    for job in jobs:
+        q.append(job)
+    for job in jobs[1:150]:
+        q.discard(job)
+    assert len(q) == 51 and q.head() is jobs[0]
+    q.discard(jobs[0])
+    assert q.head() is jobs[150] and list(q) == jobs[150:]
+    assert q.entries() <= 2 * len(q) + 64
+
+
+def test_load_failure_fails_the_turns_claimed_jobs_and_retries_later() -> None:
+    d = Driver("a", "b", parallel=2)
+    b1, b2 = d.submit("b"), d.submit("b")
+    a1 = d.submit("a")
+    assert d.step(fail_loads=frozenset({"b"})) == [a1]
+    assert b1.state is JobState.FAILED and b2.state is JobState.FAILED
+    assert d.policy.queued == 0
+    d.settle(a1)
+    b3 = d.submit("b")
+    assert d.step() == [b3]
+    assert d.loads == ["b", "a", "b"]
+
+
+def test_remove_lane_returns_its_queued_jobs() -> None:
+    d = Driver("a", "b", parallel=1)
+    a1 = d.submit("a")
+    d.step()
+    a2, b1 = d.submit("a"), d.submit("b")
+    failed = d.policy.remove_lane("a")
+    assert failed == [a2] and a2.state is JobState.FAILED
+    assert d.step() == [b1]  # a's running job no longer holds the turn
+    d.settle(a1)
+    assert d.policy.snapshot().running == {"b": 1}
+
+
+# --------------------------------------------------------------------------- invariants
+
+
+_ops = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("submit"),
+            st.integers(0, 2),
+            st.sampled_from([None, "s0", "s1", "s2"]),
+            st.sampled_from(["completion"] * 6 + ["benchmark"]),
+        ),
+        st.tuples(st.just("cancel"), st.integers(0, 50)),
+        st.tuples(st.just("settle"), st.integers(0, 50), st.booleans(), st.booleans()),
+        st.tuples(st.just("step"), st.booleans()),
+        st.tuples(st.just("restart"), st.integers(0, 2)),
+        st.tuples(st.just("outside"), st.integers(0, 2), st.integers(0, 2)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=_ops, residency=st.sampled_from(["swap", "coexist"]))
+def test_policy_invariants_hold_under_any_sequence(
+    ops: list[tuple[Any, ...]], residency: str
+) -> None:
+    models = ("a", "b", "c")
+    d = Driver(*models, parallel=2, residency=residency, max_queue=20)
+    jobs: list[Job] = []
+
+    def check() -> None:
+        pol = d.policy
+        queued = [j for j in jobs if j.state is JobState.QUEUED]
+        running = [j for j in jobs if j.state is JobState.RUNNING]
+        assert pol.queued == len(queued) == sum(pol.snapshot().waiting_model_ids.values())
+        for m in models:
+            mine = [j for j in running if j.model_id == m and not j.exclusive]
+            assert pol.running_count(m) == len(mine) <= d.lanes[m].parallel
+            pins = [j.slot_id for j in mine if j.slot_id is not None]
+            assert len(pins) == len(set(pins))  # distinct pins among running jobs
+        exclusive = [j for j in running if j.exclusive]
+        for x in exclusive:  # an exclusive op runs alone in its group
+            others = [
+                j
+                for j in running
+                if j is not x and (residency == "swap" or j.model_id == x.model_id)
+            ]
+            assert others == []
+        if residency == "swap":
+            assert len({j.model_id for j in running}) <= 1
+
+    for op in ops:
+        kind = op[0]
+        if kind == "submit":
+            _, mi, session, jk = op
+            try:
+                jobs.append(d.submit(models[mi], session, jk))
+            except QueueFull:
+                pass
+        elif kind == "cancel":
+            queued = [j for j in jobs if j.state is JobState.QUEUED]
+            if queued:
+                d.policy.cancel(queued[op[1] % len(queued)])
+        elif kind == "settle":
+            running = [j for j in jobs if j.state is JobState.RUNNING]
+            if running:
+                d.settle(running[op[1] % len(running)], ran=bool(op[2]), erase_ok=bool(op[3]))
+        elif kind == "step":
+            d.step(fail_loads=frozenset({"c"}) if op[1] else frozenset())
+        elif kind == "restart":
+            d.lanes[models[op[1]]].generation += 1
+        elif kind == "outside":
+            d.external[models[op[1]]] = set(range(op[2]))
+        check()
+
+    # Liveness: with outside traffic gone and loads succeeding, everything queued runs.
+    for m in models:
+        d.external[m] = set()
+    for _ in range(200):
+        for job in [j for j in jobs if j.state is JobState.RUNNING]:
+            d.settle(job)
+        d.step()
+        check()
+        if not any(j.state in (JobState.QUEUED, JobState.RUNNING) for j in jobs):
+            break
+    assert not any(j.state is JobState.QUEUED for j in jobs)
