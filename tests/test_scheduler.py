@@ -1,0 +1,998 @@
+"""The scheduler's Trio layer against a fake engine, in virtual time.
+
+Every test runs under ``autojump_clock``: time only moves when every task is
+blocked, so the asserted start times are exact. The fake engine's ``/slots``
+reflects the jobs it is running; it records every erase, arrival and handoff, and
+flags a *bleed* whenever a job lands on a slot that still holds another chat's KV.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+import trio
+import trio.testing
+
+from gezel_trio.errors import EngineFailed, QueueFull, UnknownModel
+from gezel_trio.scheduler import (
+    ActiveOp,
+    Grant,
+    JobKind,
+    Scheduler,
+    SchedulerClosed,
+    SlotMeasurement,
+    hash_session,
+    open_scheduler,
+)
+
+# --------------------------------------------------------------------------- fake engine
+
+
+@dataclass
+class Record:
+    """What happened to one submitted job."""
+
+    model: str
+    session: str | None
+    kind: str
+    submitted: float
+    label: str = ""
+    grant: Grant | None = None
+    start: float | None = None  # run() called
+    arrive: float | None = None  # reached the engine (took a slot)
+    end: float | None = None
+    slot: int | None = None
+    cached: bool = False  # landed on a slot holding its own session's KV
+    error: BaseException | None = None
+    cancelled: bool = False
+
+
+@dataclass
+class Slot:
+    id: int
+    busy: str | None = None  # label of the job on it
+    kv: str | None = None  # whose KV the slot holds
+
+
+class FakePool:
+    """Stand-in for the engine pool: with ``swap`` only one engine is resident and a
+    switch requires the outgoing engine to be idle (a violation is recorded otherwise)."""
+
+    def __init__(self, *, swap: bool = True) -> None:
+        self.swap = swap
+        self.resident: set[str] = set()
+        self.lanes: dict[str, FakeLane] = {}
+        self.events: list[tuple[float, str, str]] = []  # (time, what, detail)
+        self.violations: list[str] = []
+
+    def note(self, what: str, detail: str) -> None:
+        self.events.append((trio.current_time(), what, detail))
+
+
+class FakeLane:
+    """An EngineLane over a fake llama-server with ``parallel`` slots."""
+
+    def __init__(
+        self,
+        pool: FakePool,
+        model_id: str,
+        *,
+        parallel: int = 2,
+        load_time: float = 0.0,
+        erase_time: float = 0.0,
+        arrive_delay: float = 0.0,
+        measure: Literal["ids", "count", "none", "raise", "hang"] = "ids",
+        display_name: str | None = None,
+        restart_on_load: bool = True,
+    ) -> None:
+        self.pool = pool
+        self.model_id = model_id
+        self.display_name = display_name or model_id.upper()
+        self._parallel = parallel
+        self._generation = 0
+        self.load_time = load_time
+        self.erase_time = erase_time
+        self.arrive_delay = arrive_delay
+        self.measure = measure
+        self.restart_on_load = restart_on_load
+        self.slots = [Slot(i) for i in range(parallel)]
+        self.external: set[int] = set()  # slots busy with traffic we did not schedule
+        self.fail_loads = 0
+        self.load_error: Exception = EngineFailed(f"{model_id} failed to start")
+        self.erase_error: Exception | None = None
+        self.ensure_calls: list[float] = []
+        self.loads: list[float] = []
+        self.measure_calls = 0
+        self.erases: list[tuple[float, int]] = []
+        self.bleeds: list[str] = []
+        self.deferred: list[str] = []
+        self._freed = trio.Event()
+        pool.lanes[model_id] = self
+
+    @property
+    def parallel(self) -> int:
+        return self._parallel
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    def busy_count(self) -> int:
+        return sum(1 for s in self.slots if s.busy is not None)
+
+    def restart(self) -> None:
+        """The engine restarts: new generation, every slot empty."""
+        self._generation += 1
+        for slot in self.slots:
+            slot.kv = None
+
+    async def ensure_resident(self) -> None:
+        self.ensure_calls.append(trio.current_time())
+        if self.fail_loads:
+            self.fail_loads -= 1
+            await trio.sleep(self.load_time)
+            raise self.load_error
+        if self.model_id in self.pool.resident:
+            await trio.lowlevel.checkpoint()
+            return
+        if self.pool.swap:
+            for other_id in list(self.pool.resident):
+                other = self.pool.lanes[other_id]
+                if other.busy_count():
+                    self.pool.violations.append(
+                        f"{trio.current_time()}: switched to {self.model_id} while {other_id} busy"
+                    )
+                self.pool.resident.discard(other_id)
+                self.pool.note("evict", other_id)
+        await trio.sleep(self.load_time)
+        if self.restart_on_load or not self.loads:
+            self.restart()
+        self.loads.append(trio.current_time())
+        self.pool.resident.add(self.model_id)
+        self.pool.note("load", self.model_id)
+
+    async def measure_slots(self) -> SlotMeasurement | None:
+        self.measure_calls += 1
+        await trio.lowlevel.checkpoint()
+        if self.measure == "none":
+            return None
+        if self.measure == "raise":
+            raise OSError("connection refused")
+        if self.measure == "hang":
+            await trio.sleep_forever()
+        idle = tuple(s.id for s in self.slots if s.busy is None and s.id not in self.external)
+        if self.measure == "count":
+            return SlotMeasurement(idle=len(idle))
+        return SlotMeasurement(idle=len(idle), ids=idle)
+
+    async def erase_slot(self, slot_id: int) -> None:
+        await trio.sleep(self.erase_time)
+        if self.erase_error is not None:
+            raise self.erase_error
+        self.slots[slot_id].kv = None
+        self.erases.append((trio.current_time(), slot_id))
+        self.pool.note("erase", f"{self.model_id}:{slot_id}")
+
+    def _idle(self) -> Slot | None:
+        for slot in self.slots:
+            if slot.busy is None and slot.id not in self.external:
+                return slot
+        return None
+
+    async def _take(self, grant: Grant, label: str) -> Slot:
+        if grant.slot_id is not None:
+            slot = self.slots[grant.slot_id]
+            if slot.busy is not None or slot.id in self.external:
+                self.deferred.append(label)  # the engine defers a task pinned to a busy slot
+            while slot.busy is not None or slot.id in self.external:
+                await self._freed.wait()
+            return slot
+        while (free := self._idle()) is None:
+            self.deferred.append(label)
+            await self._freed.wait()
+        return free
+
+    def _release(self, slot: Slot) -> None:
+        slot.busy = None
+        self._freed.set()
+        self._freed = trio.Event()
+
+    async def complete(self, grant: Grant, rec: Record, duration: float) -> Record:
+        """The body of a completion job: reach the engine, hold a slot, finish."""
+        rec.grant = grant
+        rec.start = trio.current_time()
+        if self.pool.swap and self.pool.resident != {self.model_id}:
+            self.pool.violations.append(f"{rec.label} sent to non-resident {self.model_id}")
+        try:
+            if self.arrive_delay:
+                await trio.sleep(self.arrive_delay)
+            slot = await self._take(grant, rec.label)
+            rec.arrive = trio.current_time()
+            rec.slot = slot.id
+            me = rec.session if rec.session is not None else f"<keyless {rec.label}>"
+            if slot.kv is not None and slot.kv != me:
+                self.bleeds.append(f"{rec.label} landed on slot {slot.id} holding {slot.kv}")
+            rec.cached = slot.kv == me and rec.session is not None
+            slot.busy = rec.label
+            slot.kv = me
+            self.pool.note("arrive", f"{rec.label}@{self.model_id}:{slot.id}")
+            try:
+                await trio.sleep(duration)
+            finally:
+                self._release(slot)
+            return rec
+        except trio.Cancelled:
+            rec.cancelled = True
+            raise
+        finally:
+            rec.end = trio.current_time()
+
+    async def exclusive(self, grant: Grant, rec: Record, duration: float) -> Record:
+        """The body of a calibrate/sweep/benchmark: must find the engine drained."""
+        rec.grant = grant
+        rec.start = trio.current_time()
+        busy = sum(lane.busy_count() for lane in self.pool.lanes.values())
+        if busy:
+            self.pool.violations.append(f"{rec.label} started with {busy} busy slots")
+        try:
+            await trio.sleep(duration)
+            return rec
+        finally:
+            rec.end = trio.current_time()
+
+
+class Harness:
+    def __init__(self, scheduler: Scheduler, nursery: trio.Nursery) -> None:
+        self.scheduler = scheduler
+        self.nursery = nursery
+        self.records: list[Record] = []
+
+    def submit(
+        self,
+        lane: FakeLane,
+        *,
+        at: float = 0.0,
+        session: str | None = None,
+        duration: float = 1.0,
+        kind: JobKind = "completion",
+        label: str = "",
+        body: Callable[[Grant], Awaitable[object]] | None = None,
+    ) -> Record:
+        """Submit a job ``at`` seconds from now (virtual); returns its record."""
+        rec = Record(lane.model_id, session, kind, submitted=-1.0, label=label)
+        self.records.append(rec)
+
+        async def go() -> None:
+            await trio.sleep(at)
+            rec.submitted = trio.current_time()
+            if body is not None:
+                run = body
+            elif kind == "completion":
+
+                async def run(grant: Grant) -> object:
+                    return await lane.complete(grant, rec, duration)
+            else:
+
+                async def run(grant: Grant) -> object:
+                    return await lane.exclusive(grant, rec, duration)
+
+            try:
+                await self.scheduler.submit(lane.model_id, run, session=session, kind=kind)
+            except Exception as exc:
+                rec.error = exc
+
+        self.nursery.start_soon(go)
+        return rec
+
+
+def overlaps(a: Record, b: Record) -> bool:
+    assert a.start is not None and a.end is not None and b.start is not None and b.end is not None
+    return a.start < b.end and b.start < a.end
+
+
+@asynccontextmanager
+async def running(lanes: dict[str, FakeLane], **options: Any) -> AsyncIterator[Harness]:
+    """A scheduler plus a nursery for the test's submitters, bounded in virtual time
+    (so a test of a broken scheduler fails instead of hanging)."""
+    with trio.fail_after(1000):
+        async with open_scheduler(lanes=lanes, **options) as s, trio.open_nursery() as n:
+            yield Harness(s, n)
+
+
+@pytest.fixture
+def pool() -> FakePool:
+    return FakePool()
+
+
+# --------------------------------------------------------------------------- 1. residency
+
+
+async def test_swap_runs_one_model_at_a_time_and_switches_from_a_drained_engine(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=2, load_time=1.0)
+    b = FakeLane(pool, "b", parallel=2, load_time=1.0)
+    async with running({"a": a, "b": b}) as h:
+        s = h.scheduler
+        t0 = trio.current_time()
+        a1 = h.submit(a, duration=4.0, label="a1")
+        a2 = h.submit(a, duration=4.0, label="a2")
+        b1 = h.submit(b, at=1.0, duration=2.0, label="b1")
+        a3 = h.submit(a, at=2.0, duration=1.0, label="a3")
+    assert [r.error for r in h.records] == [None] * 4  # never refused for "wrong model"
+    # a loads (1 s) and runs a1+a2 until 5; b1 (queued at 1) switches the engine at 5
+    # (loads 1 s), a3 (queued behind b1 at 2) switches back when b drains at 8.
+    assert (a1.start, a2.start) == (t0 + 1.0, t0 + 1.0)
+    assert b1.start == t0 + 6.0
+    assert a3.start == t0 + 9.0
+    assert [t - t0 for t in b.ensure_calls] == [5.0]
+    assert [t - t0 for t in a.ensure_calls] == [0.0, 8.0]
+    assert not any(overlaps(x, y) for x in (a1, a2, a3) for y in (b1,))
+    assert pool.violations == []
+    assert s.statistics().switches == 2
+
+
+async def test_coexist_gives_each_model_its_own_turns(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pool = FakePool(swap=False)
+    a = FakeLane(pool, "a", parallel=2, load_time=1.0)
+    b = FakeLane(pool, "b", parallel=2, load_time=1.0)
+    async with running({"a": a, "b": b}, residency="coexist") as h:
+        t0 = trio.current_time()
+        a1 = h.submit(a, duration=4.0)
+        b1 = h.submit(b, at=1.0, duration=2.0)
+    assert a1.start == t0 + 1.0
+    assert b1.start == t0 + 2.0  # its own load, not a's drain
+    assert overlaps(a1, b1)
+
+
+# --------------------------------------------------------------------------- 2. exclusivity
+
+
+async def test_exclusive_op_drains_then_runs_alone(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=2)
+    seen: list[ActiveOp | None] = []
+    async with running({"a": a}) as h:
+        s = h.scheduler
+        t0 = trio.current_time()
+        a1 = h.submit(a, duration=4.0, label="a1")
+        a2 = h.submit(a, duration=4.0, label="a2")
+        bench = h.submit(a, at=1.0, duration=3.0, kind="benchmark", label="bench")
+        a3 = h.submit(a, at=2.0, duration=1.0, label="a3")
+
+        async def probe() -> None:
+            await trio.sleep(5.0)
+            seen.append(s.statistics().active)
+
+        h.nursery.start_soon(probe)
+    assert bench.start == t0 + 4.0  # after a1 and a2 drained
+    assert bench.grant is not None and bench.grant.slot_id is None
+    assert a3.start == t0 + 7.0  # nothing admitted while the benchmark ran
+    assert not any(overlaps(bench, r) for r in (a1, a2, a3))
+    assert seen == [ActiveOp("a", "benchmark")]
+    assert pool.violations == []
+
+
+# --------------------------------------------------------------------------- 3. the open turn
+
+
+async def test_open_turn_admits_a_late_same_model_job_at_once(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=2, load_time=0.5)
+    async with running({"a": a}) as h:
+        t0 = trio.current_time()
+        a1 = h.submit(a, duration=2.0)
+        a2 = h.submit(a, at=1.0, duration=2.0)  # joins the running turn
+        a3 = h.submit(a, at=4.5, duration=1.0)  # joins the drained, still open turn
+    assert a1.start == t0 + 0.5
+    assert a2.start == t0 + 1.0  # a free slot at once, not after a1's batch
+    assert a3.start == t0 + 4.5
+    assert len(a.loads) == 1 and a.generation == 1  # the engine never switched
+    assert {a1.slot, a2.slot} == {0, 1}
+
+
+# --------------------------------------------------------------------------- 4. fairness
+
+
+async def test_steady_stream_for_a_cannot_starve_b(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=2)
+    b = FakeLane(pool, "b", parallel=2)
+    async with running({"a": a, "b": b}) as h:
+        t0 = trio.current_time()
+        stream = [h.submit(a, at=2.0 * i, duration=3.0, label=f"a{i}") for i in range(7)]
+        b1 = h.submit(b, at=4.5, duration=1.0, label="b1")
+    assert b1.start is not None and b1.end is not None
+    running_at_b = [
+        r
+        for r in stream
+        if r.start is not None and r.end is not None and r.start <= b1.submitted < r.end
+    ]
+    assert len(running_at_b) == 2
+    # B waits exactly as long as A's already-running jobs take ...
+    assert b1.start == max(r.end for r in running_at_b if r.end is not None) == t0 + 7.0
+    # ... and no A job submitted after B gets in ahead of it.
+    later = [r for r in stream if r.submitted > b1.submitted]
+    assert later and all(r.start is not None and r.start >= b1.end for r in later)
+    assert pool.violations == []
+
+
+async def test_next_turn_prefers_a_model_other_than_the_one_that_just_ran(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=2)
+    c = FakeLane(pool, "c", parallel=2)
+    async with running({"a": a, "c": c}) as h:
+        t0 = trio.current_time()
+        h.submit(a, duration=2.0, label="a1")
+        bench = h.submit(a, at=0.5, duration=1.0, kind="calibrate", label="cal")
+        a2 = h.submit(a, at=1.0, duration=1.0, label="a2")
+        c1 = h.submit(c, at=1.5, duration=1.0, label="c1")
+    assert bench.start == t0 + 2.0
+    # a just had the engine (a1, then its calibration): c goes first although a2 is older
+    assert c1.start == t0 + 3.0
+    assert a2.start == t0 + 4.0
+
+
+# --------------------------------------------------------------------------- 5. capacity
+
+
+async def test_capacity_is_min_of_ceiling_and_measured_idle_never_both(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=2)
+    async with running({"a": a}) as h:
+        s = h.scheduler
+        t0 = trio.current_time()
+        j1 = h.submit(a, duration=10.0)
+        j2 = h.submit(a, at=1.0, duration=20.0)  # idle=1, parallel-running=1 -> admitted
+        j3 = h.submit(a, at=3.0, duration=1.0)  # both slots ours -> waits for j1
+    assert j1.start == t0
+    assert j2.start == t0 + 1.0  # "idle - running" would have said 0 here
+    assert j3.start == t0 + 10.0
+    assert s.statistics().slot_polls == 0  # our running job's settle woke the dispatcher
+
+
+async def test_capacity_respects_slots_taken_by_traffic_we_did_not_send(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=3)
+    a.external.add(2)
+    async with running({"a": a}) as h:
+        s = h.scheduler
+        t0 = trio.current_time()
+        jobs = [h.submit(a, duration=1.0) for _ in range(3)]
+    starts = sorted(r.start - t0 for r in jobs if r.start is not None)
+    assert starts == [0.0, 0.0, 1.0]
+    assert a.deferred == [] and {r.slot for r in jobs} == {0, 1}
+    assert s.statistics().slot_polls == 0
+
+
+async def test_unknown_measurement_trusts_the_profile(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=2, measure="none")
+    async with running({"a": a}) as h:
+        s = h.scheduler
+        t0 = trio.current_time()
+        jobs = [h.submit(a, duration=1.0) for _ in range(3)]
+    starts = sorted(r.start - t0 for r in jobs if r.start is not None)
+    assert starts == [0.0, 0.0, 1.0]
+    assert all(r.grant is not None and r.grant.slot_id is None for r in jobs)
+    assert s.statistics().unpinned_admissions == 3
+
+
+async def test_failed_or_hung_measurement_trusts_the_profile(
+    autojump_clock: trio.testing.MockClock, pool: FakePool, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = FakeLane(pool, "a", parallel=2, measure="raise")
+    b = FakeLane(pool, "b", parallel=2, measure="hang")
+    async with running({"a": a, "b": b}, residency="coexist", measure_timeout=2.0) as h:
+        s = h.scheduler
+        t0 = trio.current_time()
+        on_a = [h.submit(a, duration=1.0) for _ in range(3)]
+        on_b = h.submit(b, duration=1.0)
+    assert sorted(r.start - t0 for r in on_a if r.start is not None) == [0.0, 0.0, 1.0]
+    assert on_b.start == t0 + 2.0  # the sample gave up after measure_timeout
+    assert all(r.grant is not None and r.grant.slot_id is None for r in (*on_a, on_b))
+    assert s.statistics().slot_measure_failures == s.statistics().slot_measurements >= 3
+    warnings = [r for r in caplog.records if "slot measurement of a failed" in r.getMessage()]
+    assert len(warnings) == 1  # said once, not on every pass
+
+
+async def test_zero_capacity_with_nothing_of_ours_running_polls_slots(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=1)
+    a.external.add(0)
+    async with running({"a": a}, slot_poll=0.25) as h:
+        s = h.scheduler
+        t0 = trio.current_time()
+        j1 = h.submit(a, duration=1.0)
+
+        async def external_traffic_ends() -> None:
+            await trio.sleep(1.1)
+            a.external.clear()  # nothing tells the scheduler: only its poll can see it
+
+        h.nursery.start_soon(external_traffic_ends)
+    assert j1.start == t0 + 1.25  # the first poll after 1.1
+    assert s.statistics().slot_polls == 5  # 0.25, 0.5, 0.75, 1.0, 1.25
+
+
+# --------------------------------------------------------------------------- 6. ownership
+
+
+async def test_handoff_erases_and_awaits_the_ack_before_run(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=1, erase_time=0.5)
+    async with running({"a": a}) as h:
+        s = h.scheduler
+        t0 = trio.current_time()
+        first = h.submit(a, session="chat-1", duration=1.0, label="s1")
+        other = h.submit(a, at=0.5, session="chat-2", duration=1.0, label="s2")
+        back = h.submit(a, at=3.0, session="chat-1", duration=1.0, label="s1b")
+        again = h.submit(a, at=5.0, session="chat-1", duration=1.0, label="s1c")
+    assert first.grant is not None and not first.grant.erased  # a fresh slot
+    assert other.grant is not None and other.grant.erased
+    assert other.start == t0 + 1.5  # s1 ended at 1, then the 0.5 s erase was awaited
+    erase_at = pool.events.index((t0 + 1.5, "erase", "a:0"))
+    arrive_at = pool.events.index((t0 + 1.5, "arrive", "s2@a:0"))
+    assert erase_at < arrive_at  # the erase reached the engine before the completion
+    assert back.grant is not None and back.grant.erased and back.start == t0 + 3.5
+    assert again.grant is not None and not again.grant.erased  # same session keeps its KV
+    assert again.start == t0 + 5.0 and again.cached
+    assert a.bleeds == []
+    stats = s.statistics()
+    assert stats.erases == {"ok": 2, "failed": 0, "skipped_same_session": 1}
+    assert stats.slot_owners == {"a": {0: hash_session("chat-1")}}
+
+
+async def test_keyless_owner_is_always_erased_for_the_next_job(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=1)
+    async with running({"a": a}) as h:
+        s = h.scheduler
+        k1 = h.submit(a, duration=1.0, label="k1")
+        k2 = h.submit(a, at=2.0, duration=1.0, label="k2")
+        s1 = h.submit(a, at=4.0, session="chat", duration=1.0, label="s1")
+    grants = [r.grant for r in (k1, k2, s1)]
+    assert [g.erased if g else None for g in grants] == [False, True, True]
+    assert a.bleeds == []
+    assert s.statistics().erases["ok"] == 2
+
+
+async def test_new_engine_generation_forgets_owners(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=1)
+    async with running({"a": a}) as h:
+        s = h.scheduler
+        h.submit(a, session="chat-1", duration=1.0)
+        await trio.sleep(2.0)
+        assert s.statistics().slot_owners == {"a": {0: hash_session("chat-1")}}
+        a.restart()  # e.g. a crash and restart: slot ids survive, their KV does not
+        assert s.statistics().slot_owners == {}
+        fresh = h.submit(a, session="chat-2", duration=1.0)
+    assert fresh.grant is not None and not fresh.grant.erased
+    assert a.erases == [] and a.bleeds == []
+
+
+async def test_turn_switch_forgets_the_outgoing_models_owners(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    # restart_on_load=False: the fake keeps a's KV across the switch, as an engine
+    # the pool did not actually restart would. Forgetting must then mean "erase on
+    # first use", never "fresh".
+    a = FakeLane(pool, "a", parallel=1, restart_on_load=False)
+    b = FakeLane(pool, "b", parallel=1, restart_on_load=False)
+    async with running({"a": a, "b": b}) as h:
+        s = h.scheduler
+        h.submit(a, session="chat-1", duration=1.0)
+        await trio.sleep(1.5)
+        assert "a" in s.statistics().slot_owners
+        h.submit(b, session="chat-1", duration=1.0)
+        await trio.sleep(0.5)
+        assert "a" not in s.statistics().slot_owners  # forgotten at the switch
+        back = h.submit(a, at=1.0, session="chat-2", duration=1.0)
+    assert back.grant is not None and back.grant.erased
+    assert a.bleeds == [] and b.bleeds == []
+
+
+async def test_failed_erase_is_counted_and_never_fails_the_job(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=1)
+    async with running({"a": a}) as h:
+        s = h.scheduler
+        h.submit(a, session="chat-1", duration=1.0)
+        await trio.sleep(2.0)
+        a.erase_error = RuntimeError("erase not supported")
+        handoff = h.submit(a, session="chat-2", duration=1.0)
+        await trio.sleep(2.0)
+        a.erase_error = None
+        # The failed erase left the slot's content unknown: even chat-2 erases it now.
+        again = h.submit(a, session="chat-2", duration=1.0)
+    assert handoff.error is None and handoff.end is not None
+    assert handoff.grant is not None and not handoff.grant.erased
+    assert again.grant is not None and again.grant.erased
+    assert s.statistics().erases == {"ok": 1, "failed": 1, "skipped_same_session": 0}
+
+
+async def test_forget_slots_without_restart_erases_on_first_use(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=1)
+    async with running({"a": a}) as h:
+        s = h.scheduler
+        h.submit(a, session="chat-1", duration=1.0)
+        await trio.sleep(2.0)
+        s.forget_slots("a")
+        assert s.statistics().slot_owners == {}
+        same = h.submit(a, session="chat-1", duration=1.0)
+    assert same.grant is not None and same.grant.erased
+    assert a.bleeds == []
+
+
+# --------------------------------------------------------------------------- 7. affinity
+
+
+async def test_jobs_whose_session_holds_a_slot_go_first_keyless_fifo(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=1)
+    async with running({"a": a}) as h:
+        t0 = trio.current_time()
+        h.submit(a, session="chat-1", duration=2.0, label="s1")
+        k = h.submit(a, at=1.0, duration=1.0, label="k")
+        s2 = h.submit(a, at=1.1, session="chat-2", duration=1.0, label="s2")
+        s1b = h.submit(a, at=1.2, session="chat-1", duration=1.0, label="s1b")
+    assert s1b.start == t0 + 2.0  # affine: chat-1 holds slot 0
+    assert s1b.grant is not None and s1b.grant.slot_id == 0 and not s1b.grant.erased
+    assert (k.start, s2.start) == (t0 + 3.0, t0 + 4.0)  # then FIFO
+    assert a.bleeds == []
+
+
+async def test_affine_job_is_pinned_to_its_own_idle_slot(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=3)
+    async with running({"a": a}) as h:
+        first = h.submit(a, session="chat-0", duration=1.0)
+        second = h.submit(a, at=0.5, session="chat-1", duration=1.0)
+        # slots 0 and 2 are idle too (2 is even fresh), but chat-1's KV is in slot 1
+        back1 = h.submit(a, at=2.0, session="chat-1", duration=1.0)
+        back0 = h.submit(a, at=2.5, session="chat-0", duration=1.0)
+    assert (first.slot, second.slot) == (0, 1)
+    assert back1.grant is not None and back1.grant.slot_id == 1 and back1.cached
+    assert back0.grant is not None and back0.grant.slot_id == 0 and back0.cached
+    assert a.erases == [] and a.bleeds == []
+
+
+async def test_same_tick_submits_are_seen_together_by_one_pass(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # a1 is queued by the test task; a2 and b1 come from tasks spawned just before
+    # (a2 first), which run one Trio batch later: the batch the dispatcher wakes in.
+    # A pass that decided in that batch could claim a turn for a1 alone, then see b1
+    # queued before a2, and a2 would wait for b's turn. The dispatcher yields once
+    # before deciding, so a1 and a2 share one turn. Trio orders a batch at random,
+    # hence several rounds.
+    async def one_round() -> tuple[Record, Record, Record]:
+        pool = FakePool()
+        a = FakeLane(pool, "a", parallel=2)
+        b = FakeLane(pool, "b", parallel=2)
+        async with running({"a": a, "b": b}) as h:
+            now = trio.current_time()
+            a1, a2, b1 = (Record(m, None, "completion", submitted=now) for m in "aab")
+
+            async def submit(lane: FakeLane, rec: Record) -> None:
+                await h.scheduler.submit(lane.model_id, lambda g: lane.complete(g, rec, 1.0))
+
+            h.nursery.start_soon(submit, a, a2)
+            h.nursery.start_soon(submit, b, b1)
+            await submit(a, a1)
+        return a1, a2, b1
+
+    for _ in range(12):
+        a1, a2, b1 = await one_round()
+        assert a1.start is not None and a2.start is not None and b1.start is not None
+        assert a1.start == a2.start < b1.start
+
+
+# --------------------------------------------------------------------------- 8. pinning
+
+
+async def test_pins_are_distinct_and_skip_slots_of_jobs_not_yet_at_the_engine(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=4, arrive_delay=0.5)
+    async with running({"a": a}) as h:
+        s = h.scheduler
+        burst = [h.submit(a, duration=2.0) for _ in range(2)]
+        late = h.submit(a, at=0.1, duration=2.0)  # burst not at the engine yet
+    pins = [r.grant.slot_id for r in (*burst, late) if r.grant is not None]
+    assert len(pins) == 3 and len(set(pins)) == 3 and None not in pins
+    assert a.deferred == []  # nobody was pinned to a slot another job took
+    assert s.statistics().unpinned_admissions == 0
+
+
+async def test_no_pin_when_the_engine_reports_only_a_count(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=2, measure="count")
+    async with running({"a": a}) as h:
+        s = h.scheduler
+        jobs = [h.submit(a, session=f"chat-{i}", duration=1.0) for i in range(3)]
+    assert [r.grant.slot_id if r.grant else "x" for r in jobs] == [None, None, None]
+    stats = s.statistics()
+    assert stats.unpinned_admissions == 3 and stats.admissions == 3
+    assert stats.slot_owners == {}  # the engine picked the slots: nothing recorded
+
+
+# --------------------------------------------------------------------------- cancellation
+
+
+async def test_cancelled_queued_job_leaves_the_queue(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=1)
+    ran: list[str] = []
+    async with running({"a": a}) as h:
+        s = h.scheduler
+        t0 = trio.current_time()
+        h.submit(a, duration=5.0)
+        await trio.sleep(1.0)
+
+        async def never(grant: Grant) -> None:
+            ran.append("never")
+
+        with trio.move_on_after(1.0) as scope:  # the client disconnects while queued
+            await s.submit("a", never)
+        assert scope.cancelled_caught
+        assert s.statistics().queued == 0 and s.statistics().waiting == {}
+        j3 = h.submit(a, duration=1.0)
+    assert ran == []
+    assert j3.start == t0 + 5.0
+
+
+async def test_cancelled_running_job_records_ownership_and_frees_its_slot(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=1)
+    async with running({"a": a}) as h:
+        s = h.scheduler
+        t0 = trio.current_time()
+        rec = Record("a", "chat-1", "completion", submitted=t0)
+
+        async def body(grant: Grant) -> Record:
+            return await a.complete(grant, rec, 10.0)
+
+        nxt = h.submit(a, at=1.0, session="chat-2", duration=1.0)
+        with trio.move_on_after(2.0) as scope:  # the client disconnects at 2
+            await s.submit("a", body, session="chat-1")
+        assert scope.cancelled_caught
+        assert rec.cancelled and rec.end == t0 + 2.0
+    assert nxt.start == t0 + 2.0  # admitted the moment the slot was released
+    assert nxt.grant is not None and nxt.grant.erased  # chat-1 owned it when cancelled
+    assert a.bleeds == []
+
+
+async def test_job_error_propagates_unchanged_and_dispatching_continues(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=1)
+
+    class Boom(Exception):
+        pass
+
+    async def fails(grant: Grant) -> None:
+        await trio.sleep(1.0)
+        raise Boom("upstream said no")
+
+    async with running({"a": a}) as h:
+        t0 = trio.current_time()
+        bad = h.submit(a, body=fails)
+        good = h.submit(a, at=0.5, duration=1.0)
+    assert type(bad.error) is Boom and str(bad.error) == "upstream said no"
+    assert good.error is None and good.start == t0 + 1.0
+
+
+async def test_engine_failure_fails_that_turns_jobs_and_the_next_request_retries(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=2)
+    b = FakeLane(pool, "b", parallel=2, load_time=1.0)
+    b.fail_loads = 1
+    async with running({"a": a, "b": b}) as h:
+        s = h.scheduler
+        t0 = trio.current_time()
+        b1 = h.submit(b, duration=1.0)
+        b2 = h.submit(b, duration=1.0)
+        a1 = h.submit(a, at=0.5, duration=1.0)
+        b3 = h.submit(b, at=3.0, duration=1.0)
+    assert isinstance(b1.error, EngineFailed) and isinstance(b2.error, EngineFailed)
+    assert "b failed to start" in str(b1.error)
+    assert a1.error is None and a1.start == t0 + 1.0  # not wedged behind b's failure
+    assert b3.error is None and b3.start == t0 + 4.0  # retried: a fresh load
+    assert [t - t0 for t in b.ensure_calls] == [0.0, 3.0]
+    assert s.statistics().waiting == {}
+
+
+async def test_non_project_engine_error_becomes_engine_failed(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a")
+    a.fail_loads = 1
+    a.load_error = FileNotFoundError("llama-server")
+    async with running({"a": a}) as h:
+        job = h.submit(a)
+    assert isinstance(job.error, EngineFailed)
+    assert isinstance(job.error.__cause__, FileNotFoundError)
+
+
+async def test_full_queue_raises_queue_full_with_retry_after(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=1)
+    async with running({"a": a}, max_queue=2) as h:
+        s = h.scheduler
+        h.submit(a, duration=5.0)
+        queued = [h.submit(a, at=0.5, duration=1.0) for _ in range(2)]
+        await trio.sleep(1.0)
+        assert s.statistics().queued == 2
+
+        async def body(grant: Grant) -> None:
+            raise AssertionError("must not run")
+
+        with pytest.raises(QueueFull) as info:
+            await s.submit("a", body)
+        assert info.value.status == 503 and info.value.retry_after >= 1
+    assert all(r.error is None for r in queued)
+
+
+async def test_unknown_model_is_refused(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a")
+
+    async def body(grant: Grant) -> None:
+        raise AssertionError("must not run")
+
+    async with open_scheduler(lanes={"a": a}) as s:
+        with pytest.raises(UnknownModel):
+            await s.submit("nope", body)
+
+
+# --------------------------------------------------------------------------- trio shape
+
+
+async def test_a_burst_in_one_tick_shares_one_turn(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=4, load_time=1.0)
+    b = FakeLane(pool, "b", parallel=4, load_time=1.0)
+    async with running({"a": a, "b": b}) as h:
+        s = h.scheduler
+        jobs_a = [h.submit(a, duration=1.0) for _ in range(3)]
+        jobs_b = [h.submit(b, duration=1.0) for _ in range(3)]
+    for jobs in (jobs_a, jobs_b):
+        assert len({r.start for r in jobs}) == 1  # one turn per model
+    assert len(a.ensure_calls) == 1 and len(b.ensure_calls) == 1
+    assert s.statistics().switches == 1
+    assert pool.violations == []
+
+
+async def test_set_residency_live_lets_a_waiting_model_run(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    pool = FakePool(swap=False)
+    a = FakeLane(pool, "a", parallel=2)
+    b = FakeLane(pool, "b", parallel=2)
+    async with running({"a": a, "b": b}) as h:
+        s = h.scheduler
+        t0 = trio.current_time()
+        a1 = h.submit(a, duration=5.0)
+        b1 = h.submit(b, at=1.0, duration=1.0)
+        await trio.sleep(2.0)
+        assert b1.start is None and s.statistics().waiting_model_ids == {"b": 1}
+        s.set_residency("coexist")
+    assert b1.start == t0 + 2.0
+    assert overlaps(a1, b1)
+
+
+async def test_add_and_remove_lanes_live(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=1)
+    c = FakeLane(pool, "c", parallel=1)
+    async with running({"a": a}) as h:
+        s = h.scheduler
+        h.submit(a, duration=5.0)
+        queued = h.submit(a, at=1.0, duration=1.0)
+        await trio.sleep(0.5)
+        s.add_lane(c)
+        served = h.submit(c, at=0.5, duration=1.0)
+        await trio.sleep(1.0)
+        s.remove_lane("a")
+    assert isinstance(queued.error, UnknownModel)
+    assert served.error is None and served.end is not None
+
+
+async def test_shutdown_fails_queued_and_running_submitters_with_scheduler_closed(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=1)
+    async with trio.open_nursery() as outer, open_scheduler(lanes={"a": a}) as s:
+        h = Harness(s, outer)
+        busy = h.submit(a, duration=100.0)
+        queued = h.submit(a, at=0.5, duration=1.0)
+        await trio.sleep(1.0)
+    assert isinstance(busy.error, SchedulerClosed)
+    assert isinstance(queued.error, SchedulerClosed)
+    assert busy.cancelled
+
+
+async def test_exceptions_leave_open_scheduler_unwrapped(pool: FakePool) -> None:
+    a = FakeLane(pool, "a")
+    with pytest.raises(KeyError):
+        async with open_scheduler(lanes={"a": a}):
+            raise KeyError("boom")
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+async def test_statistics_report_queue_turns_owners_hashed(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=1, display_name="Alpha 7B")
+    b = FakeLane(pool, "b", parallel=1, display_name="Beta 1B")
+    async with running({"a": a, "b": b}) as h:
+        s = h.scheduler
+        h.submit(a, session="secret-chat-key", duration=1.0)
+        await trio.sleep(2.0)
+        stats = s.statistics()
+        assert stats.slot_owners == {"a": {0: hash_session("secret-chat-key")}}
+        dumped = json.dumps(stats.as_dict())
+        assert "secret-chat-key" not in dumped and "secret-chat-key" not in repr(s)
+        assert hash_session("secret-chat-key") in dumped
+        h.submit(a, duration=4.0)
+        h.submit(a, at=0.5, duration=1.0)
+        h.submit(b, at=0.5, duration=1.0)
+        await trio.sleep(1.0)
+        stats = s.statistics()
+        assert stats.queued == 2
+        assert stats.waiting == {"Alpha 7B": 1, "Beta 1B": 1}
+        assert stats.waiting_model_ids == {"a": 1, "b": 1}
+        assert stats.running == {"a": 1}
+        assert stats.last_turn == "a" and stats.turns == {"*": "a"}
+        assert stats.admissions == 2 and stats.erases["ok"] == 1
+        assert json.loads(json.dumps(stats.as_dict()))["running"] == {"a": 1}
+
+
+# --------------------------------------------------------------------------- benchmark
+
+
+def test_dispatcher_cost_benchmark_runs_and_its_invariants_hold(tmp_path: Path) -> None:
+    from benchmarks.dispatcher_cost import main
+
+    out = tmp_path / "dispatcher_cost.json"
+    result = main(["--jobs", "400", "--models", "8", "--parallel", "2", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    for run in result["scheduler"]:  # every job admitted once, no slot double-booked
+        assert run["admissions"] == run["jobs"] == 400
+        assert run["dispatcher_us_per_admission"] > 0
+    assert result["memory"]["scheduler_bytes_per_queued_job"] > 0
