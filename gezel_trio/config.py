@@ -66,6 +66,8 @@ class SchedulerConfig:
     affinity: bool = True
     pinning: bool = True
     erase_on_handoff: bool = True
+    kv_parking: bool = True
+    """Save a chat's KV to disk (slot save) when its slot is handed over, restore it later."""
     lock_model: bool = False
 
 

@@ -466,6 +466,7 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
                 affinity=sched.affinity,
                 pinning=sched.pinning,
                 erase_on_handoff=sched.erase_on_handoff,
+                kv_parking=sched.kv_parking,
             )
         )
         async with trio.open_nursery() as streams:

@@ -8,9 +8,12 @@ measured with ``GET /slots`` and erased with ``POST /slots/{id}?action=erase``.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,6 +25,7 @@ from .engine.supervisor import Engine
 from .errors import EngineFailed
 from .gpu.arbiter import GpuArbiter
 from .scheduler.policy import SlotMeasurement
+from .sessions import session_hash
 
 log = logging.getLogger("gezel_trio.lane")
 
@@ -43,6 +47,11 @@ class ModelRuntime:
     active_plan: EnginePlan | None = None
     """The plan of the engine process running now (inside its reservation)."""
     calibration: CalibrationState = field(default_factory=CalibrationState)
+    max_parked: int = 64
+    """Sessions whose KV may be parked on disk per engine (LRU beyond it)."""
+    parking_stats: dict[str, int] = field(default_factory=lambda: {"saved": 0, "restored": 0})
+    _parked: collections.OrderedDict[str, str] = field(default_factory=collections.OrderedDict)
+    _parked_generation: int = -1
 
     # ------------------------------------------------------------------ identity
 
@@ -120,6 +129,84 @@ class ModelRuntime:
                 f"erase of slot {slot_id} answered {resp.status_code}: {resp.text[:200]}"
             )
 
+    # ------------------------------------------------------------------ KV parking
+
+    def _park_file(self, session: str) -> str:
+        return f"park-{session_hash(session)}.bin"
+
+    def _sync_parking(self) -> None:
+        if self._parked_generation != self.engine.generation:
+            # a new engine process: its slot-save dir may hold another build's files
+            self._parked.clear()
+            self._parked_generation = self.engine.generation
+
+    async def park_slot(self, slot_id: int, session: str) -> None:
+        """Save ``session``'s KV from ``slot_id`` to the engine's slot-save dir.
+
+        Raises on failure (the caller then erases instead). The oldest parked
+        session beyond ``max_parked`` is dropped, and its file deleted.
+        """
+        base = self.engine.base_url
+        if base is None:
+            raise EngineFailed(f"engine for model {self.id!r} is not running")
+        self._sync_parking()
+        name = self._park_file(session)
+        resp = await self.http.post(
+            f"{base}/slots/{slot_id}",
+            params={"action": "save"},
+            json={"filename": name},
+            timeout=30.0,
+        )
+        if resp.status_code != 200:
+            raise EngineFailed(
+                f"save of slot {slot_id} answered {resp.status_code}: {resp.text[:200]}"
+            )
+        self._parked[session] = name
+        self._parked.move_to_end(session)
+        self.parking_stats["saved"] += 1
+        while len(self._parked) > self.max_parked:
+            _, old = self._parked.popitem(last=False)
+            self._remove_park_file(old)
+
+    def _remove_park_file(self, name: str) -> None:
+        argv = self.engine.argv
+        try:
+            i = argv.index("--slot-save-path")
+        except ValueError:
+            return
+        with contextlib.suppress(OSError):
+            (Path(argv[i + 1]) / name).unlink()
+
+    def is_parked(self, session: str | None) -> bool:
+        self._sync_parking()
+        return session is not None and session in self._parked
+
+    async def unpark_slot(self, slot_id: int, session: str) -> bool:
+        """Restore ``session``'s parked KV into ``slot_id``; False when none is parked.
+
+        A restore replaces the slot's whole content, so it also isolates the
+        slot from its previous owner. Raises on an engine error.
+        """
+        base = self.engine.base_url
+        if base is None or not self.is_parked(session):
+            return False
+        name = self._parked[session]
+        resp = await self.http.post(
+            f"{base}/slots/{slot_id}",
+            params={"action": "restore"},
+            json={"filename": name},
+            timeout=30.0,
+        )
+        if resp.status_code != 200:
+            self._parked.pop(session, None)
+            self._remove_park_file(name)
+            raise EngineFailed(
+                f"restore of slot {slot_id} answered {resp.status_code}: {resp.text[:200]}"
+            )
+        self._parked.move_to_end(session)
+        self.parking_stats["restored"] += 1
+        return True
+
     def statistics(self) -> dict[str, Any]:
         stats = self.engine.statistics()
         stats.update(
@@ -130,6 +217,7 @@ class ModelRuntime:
                 "ceiling_reason": self.ceiling_reason,
                 "plan": self.plan,
                 "calibration": self.calibration.as_dict(),
+                "kv_parking": {**self.parking_stats, "parked": len(self._parked)},
             }
         )
         return stats

@@ -9,4 +9,4 @@ def session_hash(key: str | None) -> str | None:
     """A stable, non-reversible short id for logs and status; None for keyless jobs."""
     if key is None:
         return None
-    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:16]

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Protocol, TypeVar, cast
+from typing import Protocol, TypeVar, cast, runtime_checkable
 
 import trio
 
@@ -63,6 +63,17 @@ class SchedulerClosed(GezelError):
 
     status = 503
     code = "scheduler_closed"
+
+
+@runtime_checkable
+class ParkingLane(Protocol):
+    """A lane that can park a session's KV on disk and bring it back (slot save/restore)."""
+
+    def is_parked(self, session: str | None) -> bool: ...
+
+    async def park_slot(self, slot_id: int, session: str) -> None: ...
+
+    async def unpark_slot(self, slot_id: int, session: str) -> bool: ...
 
 
 class EngineLane(Protocol):
@@ -146,6 +157,8 @@ class Scheduler:
         measure_timeout: float = 2.0,
         erase_timeout: float = 5.0,
         cleanup_timeout: float = 5.0,
+        kv_parking: bool = True,
+        park_timeout: float = 30.0,
     ) -> None:
         if slot_poll <= 0:
             raise ValueError(f"slot_poll must be > 0, not {slot_poll}")
@@ -164,6 +177,8 @@ class Scheduler:
         self.slot_poll = slot_poll
         self.measure_timeout = measure_timeout
         self.erase_timeout = erase_timeout
+        self.kv_parking = kv_parking
+        self.park_timeout = park_timeout
         self.cleanup_timeout = cleanup_timeout
         self._wake_event = trio.Event()
         self._poll_at: float | None = None
@@ -413,7 +428,7 @@ class Scheduler:
         try:
             with job.scope:
                 async with _Occupancy(self, job):
-                    erased = await self._erase(job, lane) if job.erase else False
+                    erased = await self._prepare_slot(job, lane)
                     grant = Grant(
                         model_id=job.model_id,
                         slot_id=None if job.exclusive else job.slot_id,
@@ -436,6 +451,45 @@ class Scheduler:
                         job.error = exc
         finally:
             job.finished.set()
+
+    async def _prepare_slot(self, job: _TrioJob, lane: EngineLane) -> bool:
+        """Make the pinned slot safe (and warm) for the job before ``run()``.
+
+        With KV parking (a lane that can ``park_slot``/``unpark_slot``): the
+        outgoing session's KV is saved before the handoff, and an incoming
+        session with parked KV gets it restored, which also replaces the
+        previous owner's KV. Otherwise the slot is erased when the handoff
+        rule says so. Returns True when the slot was erased or restored
+        (acknowledged). Cancellation propagates.
+        """
+        slot = job.slot_id
+        if slot is None or job.exclusive:
+            return False
+        parking = self.kv_parking and isinstance(lane, ParkingLane)
+        if parking and job.erase and job.handoff_from is not None:
+            # Another chat's KV is about to be replaced: keep it for that chat's next turn.
+            assert isinstance(lane, ParkingLane)
+            with trio.move_on_after(self.park_timeout):
+                try:
+                    await lane.park_slot(slot, job.handoff_from)
+                except Exception as exc:
+                    log.warning("parking %s slot %d failed: %r", job.model_id, slot, exc)
+        owned = job.erase is False and job.handoff_from == job.session and job.session is not None
+        if parking and job.session is not None and not owned:
+            assert isinstance(lane, ParkingLane)
+            if lane.is_parked(job.session):
+                restored = False
+                with trio.move_on_after(self.park_timeout):
+                    try:
+                        restored = await lane.unpark_slot(slot, job.session)
+                    except Exception as exc:
+                        log.warning("restoring %s slot %d failed: %r", job.model_id, slot, exc)
+                if restored:
+                    if job.erase:
+                        job.erase_ok = True
+                        self._policy.note_erase(ok=True)
+                    return True
+        return await self._erase(job, lane) if job.erase else False
 
     async def _erase(self, job: _TrioJob, lane: EngineLane) -> bool:
         """Erase the job's slot and await the acknowledgement. A failure or timeout is
@@ -529,6 +583,7 @@ async def open_scheduler(
     erase_on_handoff: bool = True,
     measure_timeout: float = 2.0,
     erase_timeout: float = 5.0,
+    kv_parking: bool = True,
     cleanup_timeout: float = 5.0,
 ) -> AsyncIterator[Scheduler]:
     """Run a scheduler over ``lanes`` (model id -> lane) for the duration of the block.
@@ -553,6 +608,7 @@ async def open_scheduler(
         erase_on_handoff=erase_on_handoff,
         measure_timeout=measure_timeout,
         erase_timeout=erase_timeout,
+        kv_parking=kv_parking,
         cleanup_timeout=cleanup_timeout,
     )
     try:

@@ -55,7 +55,6 @@ exclusive jobs per group, and a claim bound per turn.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -64,6 +63,7 @@ from enum import Enum
 from typing import Literal, Protocol
 
 from gezel_trio.errors import QueueFull, UnknownModel
+from gezel_trio.sessions import session_hash
 
 __all__ = [
     "EXCLUSIVE_KINDS",
@@ -168,6 +168,7 @@ class Job:
     slot_id: int | None = None
     erase: bool = False  # the slot must be erased (and acknowledged) before run()
     erase_ok: bool | None = None  # None: no erase attempted/finished; set by the Trio layer
+    handoff_from: str | None = None  # the session whose KV the pinned slot held at admission
     ran: bool = False  # run() was called (the job may have reached the engine)
     generation: int | None = None  # lane generation at admission
     admitted_at: float | None = None
@@ -284,7 +285,7 @@ class SchedulerStats:
 
 def hash_session(session: str) -> str:
     """The form a session key takes in stats and logs: a sha256 prefix, never the key."""
-    return hashlib.sha256(session.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return session_hash(session) or ""
 
 
 # --------------------------------------------------------------------------- arithmetic
@@ -1114,6 +1115,7 @@ class SchedulerPolicy:
             job.erase = False
             return
         model.pins[slot] = job
+        job.handoff_from = model.owners.owner(slot)
         if model.owners.needs_erase(slot, job.session):
             job.erase = self.erase_on_handoff
         else:
