@@ -22,7 +22,7 @@ log = logging.getLogger("gezel_trio.api")
 
 # ``/`` is the status page's static HTML: it holds no data and asks for the
 # admin key itself (a browser cannot send a bearer header when navigating).
-PUBLIC_PATHS = frozenset({"/health", "/", "/metrics"})
+PUBLIC_PATHS = frozenset({"/health", "/"})
 ADMIN_PREFIXES = ("/api/",)
 # Everything else, /metrics and /openapi.json included, needs an API key when keys are set.
 
@@ -45,7 +45,7 @@ def _matches(candidate: str, keys: list[str]) -> bool:
 
 
 def create_app(host: Host) -> QuartTrio:
-    app = QuartTrio(__name__)
+    app = QuartTrio(__name__, static_folder=None)  # the status page serves its own file
     cfg = host.config.server
     app.config.update(
         GEZEL_HOST=host,

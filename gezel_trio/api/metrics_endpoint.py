@@ -1,0 +1,166 @@
+"""``GET /metrics`` and the per-request instrumentation that feeds it.
+
+Every request to a model endpoint (the ``openai`` and ``native``
+blueprints) is recorded once, when its answer ends: model, HTTP status,
+duration, time to first byte for streams, and the token counts the engine
+reported (``usage``, else ``timings``). Routes name the model with
+:func:`note_model`; a request whose model never resolved (404, 400 before
+routing) is recorded under the model label ``(unresolved)``, so a client
+cannot grow the label set with made-up names.
+
+A streamed answer is recorded when its body ends (finished, failed or the
+client went away), from a wrapper around the response body: nothing is
+buffered except the last few KiB, where the usage and timings are.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from quart import Blueprint, Response, current_app, g, request
+from quart.wrappers.response import IterableBody
+from quart_trio import QuartTrio
+
+from ..errors import GezelError
+from ..host import Host
+from ..metrics import CONTENT_TYPE, Metrics
+
+bp = Blueprint("metrics", __name__)
+
+UNRESOLVED = "(unresolved)"
+INSTRUMENTED_BLUEPRINTS = frozenset({"openai", "native"})
+_TAIL_BYTES = 32 * 1024
+_MAX_PARSE_BYTES = 4 * 1024 * 1024
+
+
+def metrics_of_app() -> Metrics:
+    m: Metrics = current_app.config["GEZEL_METRICS"]
+    return m
+
+
+@bp.get("/metrics")
+async def metrics() -> Response:
+    """Prometheus text exposition. Reads the host's status once."""
+    return Response(metrics_of_app().render(), status=200, content_type=CONTENT_TYPE)
+
+
+def note_model(host: Host, model: object) -> None:
+    """Label this request's metrics with the model ``model`` resolves to (quietly)."""
+    try:
+        g.gezel_model = host.resolve_model(model).id
+    except GezelError:
+        g.gezel_model = UNRESOLVED
+
+
+def token_counts(obj: Any) -> tuple[int | None, int | None, int | None]:
+    """(prompt, cached, completion) tokens from one engine answer or SSE event.
+
+    Reads OpenAI ``usage`` (``prompt_tokens``,
+    ``prompt_tokens_details.cached_tokens``, ``completion_tokens``), then
+    llama.cpp ``timings`` (``prompt_n`` + ``cache_n``, ``cache_n``,
+    ``predicted_n``). Missing parts are None.
+    """
+    if not isinstance(obj, dict):
+        return None, None, None
+    prompt = cached = completion = None
+    timings = obj.get("timings") if isinstance(obj.get("timings"), dict) else {}
+    assert isinstance(timings, dict)
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        prompt = _int(usage.get("prompt_tokens"))
+        completion = _int(usage.get("completion_tokens"))
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict):
+            cached = _int(details.get("cached_tokens"))
+    t_prompt, t_cache, t_pred = (
+        _int(timings.get("prompt_n")),
+        _int(timings.get("cache_n")),
+        _int(timings.get("predicted_n")),
+    )
+    if prompt is None and t_prompt is not None:
+        prompt = t_prompt + (t_cache or 0)
+    if cached is None:
+        cached = t_cache
+    if completion is None:
+        completion = t_pred
+    return prompt, cached, completion
+
+
+def _int(v: object) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def _tail_counts(tail: bytes) -> tuple[int | None, int | None, int | None]:
+    """Token counts from the last SSE event that carries usage or timings."""
+    best: tuple[int | None, int | None, int | None] = (None, None, None)
+    for event in reversed(tail.split(b"\n\n")):
+        for line in event.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if not data.startswith(b"{"):
+                continue
+            try:
+                obj = json.loads(data)
+            except ValueError:
+                continue
+            counts = token_counts(obj)
+            if counts[0] is not None:
+                if isinstance(obj.get("usage"), dict):
+                    return counts
+                if best[0] is None:
+                    best = counts
+    return best
+
+
+def install_metrics(app: QuartTrio, metrics: Metrics) -> None:
+    """Record every model-endpoint request of ``app`` in ``metrics`` and serve ``/metrics``."""
+    app.config["GEZEL_METRICS"] = metrics
+    app.register_blueprint(bp)
+
+    @app.before_request
+    async def _start_clock() -> None:
+        g.gezel_t0 = time.perf_counter()
+
+    @app.after_request
+    async def _record(resp: Response) -> Response:
+        if request.blueprint not in INSTRUMENTED_BLUEPRINTS:
+            return resp
+        t0: float = g.get("gezel_t0", time.perf_counter())
+        model: str = g.get("gezel_model", UNRESOLVED)
+        status = resp.status_code
+        body = resp.response
+        if isinstance(body, IterableBody):
+            resp.response = IterableBody(_observed_stream(metrics, body, model, status, t0))
+            return resp
+        counts: tuple[int | None, int | None, int | None] = (None, None, None)
+        if status == 200 and (resp.content_length or 0) <= _MAX_PARSE_BYTES:
+            ctype = resp.content_type or ""
+            if "json" in ctype:
+                try:
+                    counts = token_counts(json.loads(await resp.get_data(as_text=False)))
+                except ValueError:
+                    pass
+        metrics.request_done(model, status, time.perf_counter() - t0, None, *counts)
+        return resp
+
+
+async def _observed_stream(
+    metrics: Metrics, body: IterableBody, model: str, status: int, t0: float
+) -> AsyncIterator[bytes]:
+    first: float | None = None
+    tail = b""
+    try:
+        async with body as chunks:
+            async for chunk in chunks:
+                if first is None:
+                    first = time.perf_counter()
+                if isinstance(chunk, bytes | bytearray):
+                    tail = (tail + bytes(chunk))[-_TAIL_BYTES:]
+                yield chunk
+    finally:
+        ttft = None if first is None else first - t0
+        metrics.request_done(model, status, time.perf_counter() - t0, ttft, *_tail_counts(tail))

@@ -1,0 +1,553 @@
+"""The OpenAPI 3.1 description of the host's own endpoints, served at ``GET /openapi.json``.
+
+Hand-written, so that it says what the host does rather than what a
+framework guesses: every route and every status code it can answer with.
+``tests/test_api_admin_metrics.py`` checks that it names exactly the routes
+the app serves.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from quart import Blueprint, Response
+
+from .. import __version__
+from .errors import json_response
+
+bp = Blueprint("openapi", __name__)
+
+JSON = "application/json"
+SSE = "text/event-stream"
+
+
+def _ref(name: str) -> dict[str, Any]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _err(description: str, *, headers: dict[str, Any] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"description": description, "content": {JSON: {"schema": _ref("Error")}}}
+    if headers:
+        out["headers"] = headers
+    return out
+
+
+RETRY_AFTER = {
+    "Retry-After": {
+        "description": "Seconds to wait before retrying.",
+        "schema": {"type": "integer"},
+    }
+}
+
+E401 = _err("No API key, or an unknown one (when `[server] api_keys` is set).")
+E403 = _err("The key is valid but not an admin key.")
+E404_MODEL = _err("Unknown model (`code: model_not_found`); the message lists the known ones.")
+E409 = _err("`lock_model` is on and the request names another model (`code: model_locked`).")
+E413 = _err("The request body is larger than `[server] max_body_bytes`.")
+E502 = _err("The engine crashed or closed the connection mid-request (`code: engine_crashed`).")
+E503 = _err(
+    "The queue is full (`code: queue_full`, with `Retry-After`), the engine failed to start "
+    "(`engine_failed`, the message summarizes its last log lines), no llama-server was found "
+    "(`engine_not_found`) or the GPU has no room (`no_capacity`).",
+    headers=RETRY_AFTER,
+)
+E504 = _err(
+    "The engine sent nothing for `[engine] request_timeout` seconds (`code: engine_timeout`)."
+)
+UPSTREAM = _err(
+    "Any other status the engine answered with, relayed faithfully with the engine's own body "
+    "(for example 400 `exceed_context_size_error` for a prompt longer than the context)."
+)
+
+
+def _bad_request(what: str) -> dict[str, Any]:
+    return _err(
+        f"{what}: malformed JSON, or a field of the wrong type (`param` names it), "
+        "or the engine's own 400."
+    )
+
+
+def _json_body(schema: str, *, required: bool = True) -> dict[str, Any]:
+    return {"required": required, "content": {JSON: {"schema": _ref(schema)}}}
+
+
+def _ok(description: str, schema: str | dict[str, Any], *, stream: bool = False) -> dict[str, Any]:
+    s = _ref(schema) if isinstance(schema, str) else schema
+    content: dict[str, Any] = {JSON: {"schema": s}}
+    if stream:
+        content[SSE] = {
+            "schema": {"type": "string"},
+            "description": "With `stream: true`: `data: {chunk}` events, then `data: [DONE]`. "
+            'A failure after the first byte arrives as one `data: {"error": ...}` event.',
+        }
+    return {"description": description, "content": content}
+
+
+def _inference_responses(ok: dict[str, Any], *, what: str) -> dict[str, Any]:
+    return {
+        "200": ok,
+        "400": _bad_request(what),
+        "401": E401,
+        "404": E404_MODEL,
+        "409": E409,
+        "413": E413,
+        "502": E502,
+        "503": E503,
+        "504": E504,
+        "default": UPSTREAM,
+    }
+
+
+MODEL_PATH_PARAM = {
+    "name": "model",
+    "in": "path",
+    "required": True,
+    "description": "A configured model id.",
+    "schema": {"type": "string"},
+}
+MODEL_ID_PARAM = {**MODEL_PATH_PARAM, "name": "model_id"}
+MODEL_QUERY_PARAM = {
+    "name": "model",
+    "in": "query",
+    "required": False,
+    "description": "A configured model id; the first model when absent.",
+    "schema": {"type": "string"},
+}
+SESSION_HEADER = {
+    "name": "X-Session-Id",
+    "in": "header",
+    "required": False,
+    "description": "The chat's identity when the body has no `prompt_cache_key`.",
+    "schema": {"type": "string", "maxLength": 512},
+}
+PUBLIC: list[dict[str, list[str]]] = []
+
+
+def _native(op: str, *, prefixed: bool) -> dict[str, Any]:
+    """One native passthrough operation, with or without the ``/upstream/{model}`` prefix."""
+    params: list[dict[str, Any]] = [MODEL_PATH_PARAM] if prefixed else []
+    tag = ["llama.cpp native"]
+    if op == "completion":
+        return {
+            "post": {
+                "tags": tag,
+                "summary": "llama.cpp /completion, scheduled into a slot",
+                "description": "The body passes through untouched except `id_slot`, which is "
+                "removed: the scheduler pins the slot. `model` chooses the model"
+                + (" and must match the path if given." if prefixed else "."),
+                "parameters": [*params, SESSION_HEADER],
+                "requestBody": _json_body("NativeCompletionRequest"),
+                "responses": _inference_responses(
+                    _ok("The engine's answer.", {"type": "object"}, stream=True), what="Bad request"
+                ),
+            }
+        }
+    if op in ("tokenize", "detokenize"):
+        responses = _inference_responses(
+            _ok("The engine's answer.", {"type": "object"}), what="Bad request"
+        )
+        return {
+            "post": {
+                "tags": tag,
+                "summary": f"llama.cpp /{op}",
+                "parameters": params,
+                "requestBody": _json_body(
+                    "TokenizeRequest" if op == "tokenize" else "DetokenizeRequest"
+                ),
+                "responses": responses,
+            }
+        }
+    responses = _inference_responses(
+        _ok(
+            "The engine's answer"
+            + (" (each slot's `prompt` and `generated` text removed)." if op == "slots" else "."),
+            {"type": "array", "items": {"type": "object"}} if op == "slots" else {"type": "object"},
+        ),
+        what="Bad request",
+    )
+    del responses["413"]
+    return {
+        "get": {
+            "tags": tag,
+            "summary": f"llama.cpp /{op} (read-only)",
+            "parameters": params or [MODEL_QUERY_PARAM],
+            "responses": responses,
+        }
+    }
+
+
+def _build_spec() -> dict[str, Any]:
+    paths: dict[str, Any] = {
+        "/health": {
+            "get": {
+                "tags": ["host"],
+                "summary": "Liveness; never needs a key",
+                "security": PUBLIC,
+                "responses": {"200": _ok("The host is up.", {"type": "object"})},
+            }
+        },
+        "/": {
+            "get": {
+                "tags": ["host"],
+                "summary": "The live status page (HTML; it asks for the admin key itself)",
+                "security": PUBLIC,
+                "responses": {
+                    "200": {
+                        "description": "HTML",
+                        "content": {"text/html": {"schema": {"type": "string"}}},
+                    }
+                },
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "tags": ["host"],
+                "summary": "This document",
+                "responses": {"200": _ok("OpenAPI 3.1", {"type": "object"}), "401": E401},
+            }
+        },
+        "/metrics": {
+            "get": {
+                "tags": ["host"],
+                "summary": "Prometheus metrics (text exposition format)",
+                "responses": {
+                    "200": {
+                        "description": "Prometheus text format 0.0.4",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    },
+                    "401": E401,
+                },
+            }
+        },
+        "/v1/chat/completions": {
+            "post": {
+                "tags": ["OpenAI"],
+                "summary": "Chat completion, streaming or not",
+                "parameters": [SESSION_HEADER],
+                "requestBody": _json_body("ChatCompletionRequest"),
+                "responses": _inference_responses(
+                    _ok(
+                        "A chat.completion, or chat.completion.chunk events.",
+                        {"type": "object"},
+                        stream=True,
+                    ),
+                    what="Bad request",
+                ),
+            }
+        },
+        "/v1/completions": {
+            "post": {
+                "tags": ["OpenAI"],
+                "summary": "Text completion, streaming or not",
+                "parameters": [SESSION_HEADER],
+                "requestBody": _json_body("CompletionRequest"),
+                "responses": _inference_responses(
+                    _ok("A text_completion, or its chunks.", {"type": "object"}, stream=True),
+                    what="Bad request",
+                ),
+            }
+        },
+        "/v1/embeddings": {
+            "post": {
+                "tags": ["OpenAI"],
+                "summary": "Embeddings, from a model configured with `embeddings = true`",
+                "requestBody": _json_body("EmbeddingRequest"),
+                "responses": _inference_responses(
+                    _ok("A list of embeddings.", {"type": "object"}),
+                    what="Bad request, or the model does not serve embeddings (`param: model`)",
+                ),
+            }
+        },
+        "/v1/models": {
+            "get": {
+                "tags": ["OpenAI"],
+                "summary": "Configured models, with each engine's state",
+                "responses": {"200": _ok("A list of models.", "ModelList"), "401": E401},
+            }
+        },
+        "/v1/models/{model_id}": {
+            "get": {
+                "tags": ["OpenAI"],
+                "summary": "One model",
+                "parameters": [MODEL_ID_PARAM],
+                "responses": {
+                    "200": _ok("The model.", "Model"),
+                    "401": E401,
+                    "404": E404_MODEL,
+                    "409": E409,
+                },
+            }
+        },
+        "/api/status": {
+            "get": {
+                "tags": ["admin"],
+                "summary": "Engines (state, pid, port, build, log tail), scheduler, GPU",
+                "responses": {
+                    "200": _ok("The host's status.", {"type": "object"}),
+                    "401": E401,
+                    "403": E403,
+                },
+            }
+        },
+        "/api/config": {
+            "get": {
+                "tags": ["admin"],
+                "summary": "The live configuration (keys are shown only as counts)",
+                "responses": {
+                    "200": _ok("The configuration.", {"type": "object"}),
+                    "401": E401,
+                    "403": E403,
+                },
+            },
+            "put": {
+                "tags": ["admin"],
+                "summary": "Change policy, thermal limits, lock_model, log level; no restart",
+                "requestBody": _json_body("ConfigPatch"),
+                "responses": {
+                    "200": _ok("What was applied, and the live configuration.", {"type": "object"}),
+                    "400": _err(
+                        "Malformed JSON, an unknown or read-only key, or a bad value; "
+                        "`param` names the key (e.g. `temp_margin_c`). Nothing is applied."
+                    ),
+                    "401": E401,
+                    "403": E403,
+                    "413": E413,
+                    "501": _err(
+                        "This host cannot change one of the keys live; nothing is applied."
+                    ),
+                },
+            },
+        },
+        "/api/models/{model_id}/logs": {
+            "get": {
+                "tags": ["admin"],
+                "summary": "The engine's last output lines",
+                "parameters": [
+                    MODEL_ID_PARAM,
+                    {
+                        "name": "lines",
+                        "in": "query",
+                        "required": False,
+                        "schema": {
+                            "type": "integer",
+                            "minimum": 1,
+                            "maximum": 10000,
+                            "default": 200,
+                        },
+                    },
+                ],
+                "responses": {
+                    "200": _ok("`{model, lines}`", {"type": "object"}),
+                    "401": E401,
+                    "403": E403,
+                    "404": E404_MODEL,
+                    "409": E409,
+                },
+            }
+        },
+        "/api/models/{model_id}/load": {
+            "post": {
+                "tags": ["admin"],
+                "summary": "Start the model's engine and wait until it is ready",
+                "parameters": [MODEL_ID_PARAM],
+                "responses": {
+                    "200": _ok("`{model, state}`", {"type": "object"}),
+                    "401": E401,
+                    "403": E403,
+                    "404": E404_MODEL,
+                    "409": E409,
+                    "503": E503,
+                },
+            }
+        },
+        "/api/models/{model_id}/unload": {
+            "post": {
+                "tags": ["admin"],
+                "summary": "Stop the model's engine",
+                "parameters": [MODEL_ID_PARAM],
+                "responses": {
+                    "200": _ok("`{model, state}`", {"type": "object"}),
+                    "401": E401,
+                    "403": E403,
+                    "404": E404_MODEL,
+                    "409": E409,
+                },
+            }
+        },
+    }
+    for op in ("completion", "tokenize", "detokenize", "props", "slots"):
+        paths[f"/{op}"] = _native(op, prefixed=False)
+        paths[f"/upstream/{{model}}/{op}"] = _native(op, prefixed=True)
+
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "gezel-trio",
+            "version": __version__,
+            "description": (
+                "A local LLM inference host. Errors use OpenAI's shape "
+                '`{"error": {"message", "type", "param", "code"}}`. '
+                "Any route answers 405 to a method it does not serve and 500 to a bug."
+            ),
+        },
+        "servers": [{"url": "http://127.0.0.1:8080"}],
+        "security": [{"bearerAuth": []}],
+        "paths": paths,
+        "components": {
+            "securitySchemes": {
+                "bearerAuth": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "Needed when `[server] api_keys` is set; admin key for `/api/*`",
+                }
+            },
+            "schemas": SCHEMAS,
+        },
+    }
+
+
+_LOOSE = {"additionalProperties": True}
+
+SCHEMAS: dict[str, Any] = {
+    "Error": {
+        "type": "object",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type"],
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "param": {"type": ["string", "null"]},
+                    "code": {"type": ["string", "integer", "null"]},
+                },
+            }
+        },
+    },
+    "ChatCompletionRequest": {
+        "type": "object",
+        "required": ["messages"],
+        **_LOOSE,
+        "properties": {
+            "model": {"type": "string"},
+            "messages": {"type": "array", "minItems": 1, "items": {"type": "object"}},
+            "stream": {"type": "boolean"},
+            "stream_options": {
+                "type": "object",
+                "properties": {"include_usage": {"type": "boolean"}},
+            },
+            "prompt_cache_key": {"type": "string", "maxLength": 512},
+            "max_tokens": {"type": "integer", "minimum": 0},
+            "temperature": {"type": "number", "minimum": 0},
+        },
+    },
+    "CompletionRequest": {
+        "type": "object",
+        "required": ["prompt"],
+        **_LOOSE,
+        "properties": {
+            "model": {"type": "string"},
+            "prompt": {"oneOf": [{"type": "string"}, {"type": "array"}]},
+            "stream": {"type": "boolean"},
+            "stream_options": {
+                "type": "object",
+                "properties": {"include_usage": {"type": "boolean"}},
+            },
+            "prompt_cache_key": {"type": "string", "maxLength": 512},
+            "max_tokens": {"type": "integer", "minimum": 0},
+        },
+    },
+    "EmbeddingRequest": {
+        "type": "object",
+        "required": ["input"],
+        **_LOOSE,
+        "properties": {
+            "model": {"type": "string"},
+            "input": {"oneOf": [{"type": "string"}, {"type": "array"}]},
+            "encoding_format": {"enum": ["float", "base64"]},
+        },
+    },
+    "NativeCompletionRequest": {
+        "type": "object",
+        **_LOOSE,
+        "properties": {
+            "model": {"type": "string"},
+            "prompt": {"oneOf": [{"type": "string"}, {"type": "array"}]},
+            "n_predict": {"type": "integer", "minimum": -1},
+            "stream": {"type": "boolean"},
+            "prompt_cache_key": {"type": "string", "maxLength": 512},
+            "id_slot": {"type": "integer", "description": "Ignored: the scheduler pins the slot."},
+        },
+    },
+    "TokenizeRequest": {
+        "type": "object",
+        "required": ["content"],
+        **_LOOSE,
+        "properties": {
+            "model": {"type": "string"},
+            "content": {"type": "string"},
+            "add_special": {"type": "boolean"},
+            "parse_special": {"type": "boolean"},
+            "with_pieces": {"type": "boolean"},
+        },
+    },
+    "DetokenizeRequest": {
+        "type": "object",
+        "required": ["tokens"],
+        **_LOOSE,
+        "properties": {
+            "model": {"type": "string"},
+            "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        },
+    },
+    "Model": {
+        "type": "object",
+        "required": ["id", "object", "created", "owned_by", "state"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "model"},
+            "created": {"type": "integer"},
+            "owned_by": {"enum": ["gezel-trio", "external"]},
+            "state": {"enum": ["stopped", "starting", "ready", "stopping", "failed"]},
+        },
+    },
+    "ModelList": {
+        "type": "object",
+        "required": ["object", "data"],
+        "properties": {
+            "object": {"const": "list"},
+            "data": {"type": "array", "items": _ref("Model")},
+        },
+    },
+    "ConfigPatch": {
+        "type": "object",
+        "additionalProperties": False,
+        "minProperties": 1,
+        "description": "Any subset; validated whole before anything is applied.",
+        "properties": {
+            "policy": {"enum": ["auto", "coexist", "swap"]},
+            "temp_limit_c": {"type": "number", "minimum": 1, "maximum": 150},
+            "temp_margin_c": {
+                "type": "number",
+                "minimum": 0,
+                "description": "Must stay below temp_limit_c.",
+            },
+            "lock_model": {"type": "boolean"},
+            "log_level": {"enum": ["debug", "info", "warning", "error"]},
+        },
+    },
+}
+
+_SPEC = _build_spec()
+
+
+def openapi_spec() -> dict[str, Any]:
+    """A fresh copy of the document."""
+    return copy.deepcopy(_SPEC)
+
+
+@bp.get("/openapi.json")
+async def openapi_json() -> Response:
+    return json_response(_SPEC)

@@ -1,0 +1,400 @@
+"""Prometheus metrics: event counters the host feeds, plus a collector read at scrape time.
+
+Two kinds of series:
+
+- **Events** the host reports as they happen (:meth:`Metrics.request_done`,
+  :meth:`Metrics.erase`, :meth:`Metrics.engine_restart`,
+  :meth:`Metrics.lease_wait`): counters and histograms in this object's own
+  :class:`~prometheus_client.CollectorRegistry` (never the global one, so two
+  hosts in one process, as in tests, never share series).
+- **State**, read from ``status()`` (``Host.status``) at scrape time by
+  :class:`StatusCollector`: queue depth, running jobs, engine states and
+  counts, GPU temperature and memory, calibration results. Every key is read
+  defensively: a part of the status that is missing yields no series.
+
+Rendering is ``prometheus_client.generate_latest``; nothing here formats text.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+log = logging.getLogger("gezel_trio.metrics")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+ENGINE_STATES = ("stopped", "starting", "ready", "stopping", "failed")
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+LEASE_WAIT_BUCKETS = (0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
+
+StatusFn = Callable[[], Mapping[str, Any]]
+
+
+class Metrics:
+    """The host's metrics. Methods are cheap, synchronous and never raise on bad input.
+
+    ``status`` (usually ``host.status``) is called at every scrape; leave it
+    ``None`` for event series only.
+    """
+
+    def __init__(self, *, status: StatusFn | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "gezel_requests",
+            "Requests answered, by model and HTTP status.",
+            ("model", "status"),
+            registry=r,
+        )
+        self.duration = Histogram(
+            "gezel_request_duration_seconds",
+            "Time from the request's arrival to the end of its answer.",
+            ("model",),
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "gezel_ttft_seconds",
+            "Time to first token: from the request's arrival to the first streamed byte.",
+            ("model",),
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "gezel_prompt_tokens", "Prompt tokens, cached or not.", ("model",), registry=r
+        )
+        self.cached_tokens = Counter(
+            "gezel_cached_prompt_tokens",
+            "Prompt tokens served from the engine's KV or prompt cache (cache hits).",
+            ("model",),
+            registry=r,
+        )
+        self.completion_tokens = Counter(
+            "gezel_completion_tokens", "Generated tokens.", ("model",), registry=r
+        )
+        self.erases = Counter(
+            "gezel_slot_erases",
+            "Slot KV erases before a handoff to another session, by result.",
+            ("model", "result"),
+            registry=r,
+        )
+        self.restarts = Counter(
+            "gezel_engine_restarts",
+            "Engine restarts after a crash or a failed health check.",
+            ("model",),
+            registry=r,
+        )
+        self.lease_waits = Histogram(
+            "gezel_lease_wait_seconds",
+            "Time spent waiting for a GPU lease.",
+            buckets=LEASE_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.status_collector: StatusCollector | None = None
+        if status is not None:
+            self.status_collector = StatusCollector(status)
+            r.register(self.status_collector)
+        self._recorded = 0
+
+    def __repr__(self) -> str:
+        return f"<Metrics {self._recorded} requests recorded>"
+
+    # ------------------------------------------------------------------ events
+
+    def request_done(
+        self,
+        model: str,
+        status: int,
+        duration_s: float,
+        ttft_s: float | None = None,
+        prompt_tokens: int | None = None,
+        cached_tokens: int | None = None,
+        completion_tokens: int | None = None,
+    ) -> None:
+        """Record one finished request (any status). ``None`` means "not known"."""
+        self._recorded += 1
+        self.requests.labels(model, str(status)).inc()
+        if _finite(duration_s) and duration_s >= 0:
+            self.duration.labels(model).observe(duration_s)
+        if ttft_s is not None and _finite(ttft_s) and ttft_s >= 0:
+            self.ttft.labels(model).observe(ttft_s)
+        for counter, value in (
+            (self.prompt_tokens, prompt_tokens),
+            (self.cached_tokens, cached_tokens),
+            (self.completion_tokens, completion_tokens),
+        ):
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                counter.labels(model).inc(value)
+
+    def erase(self, model: str, ok: bool) -> None:
+        """Record one slot erase (``ok`` False: it failed and was only logged)."""
+        self.erases.labels(model, "ok" if ok else "failed").inc()
+
+    def engine_restart(self, model: str) -> None:
+        """Record one engine restart after a crash."""
+        self.restarts.labels(model).inc()
+
+    def lease_wait(self, seconds: float) -> None:
+        """Record how long a job or engine waited for its GPU lease."""
+        if _finite(seconds) and seconds >= 0:
+            self.lease_waits.observe(seconds)
+
+    # ------------------------------------------------------------------ output
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every series (calls ``status()`` once)."""
+        return bytes(generate_latest(self.registry))
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            "requests_recorded": self._recorded,
+            "scrapes": self.status_collector.scrapes if self.status_collector else 0,
+            "scrape_errors": self.status_collector.errors if self.status_collector else 0,
+        }
+
+
+def _finite(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _num(v: object) -> float | None:
+    """``v`` as a float when it is a finite number or a bool, else None."""
+    if isinstance(v, bool):
+        return 1.0 if v else 0.0
+    if _finite(v):
+        return float(v)  # type: ignore[arg-type]
+    return None
+
+
+def _mapping(v: object) -> Mapping[str, Any]:
+    return v if isinstance(v, Mapping) else {}
+
+
+class StatusCollector:
+    """A custom collector: turns one ``status()`` snapshot into gauges and counters.
+
+    A status that raises yields no state series for that scrape (logged and
+    counted in ``errors``); the event series are unaffected.
+    """
+
+    def __init__(self, status: StatusFn) -> None:
+        self._status = status
+        self.scrapes = 0
+        self.errors = 0
+
+    def __repr__(self) -> str:
+        return f"<StatusCollector {self.scrapes} scrapes, {self.errors} errors>"
+
+    def describe(self) -> Iterable[Metric]:
+        # Unchecked: the series depend on what the status holds at scrape time.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        self.scrapes += 1
+        try:
+            status = self._status()
+            families = list(_families(status))
+        except Exception:
+            self.errors += 1
+            log.warning("reading the status for /metrics failed", exc_info=True)
+            return
+        yield from families
+
+
+def _families(status: Mapping[str, Any]) -> Iterator[Metric]:
+    version = status.get("version")
+    info = GaugeMetricFamily("gezel_info", "The host's version (always 1).", labels=["version"])
+    info.add_metric([str(version or "")], 1.0)
+    yield info
+    uptime = _num(status.get("uptime_s"))
+    if uptime is not None:
+        yield GaugeMetricFamily(
+            "gezel_uptime_seconds", "Seconds since the host started.", value=uptime
+        )
+    yield from _scheduler_families(_mapping(status.get("scheduler")))
+    yield from _engine_families(status.get("engines"))
+    yield from _gpu_families(_mapping(status.get("gpu")))
+    yield from _calibration_families(status)
+
+
+def _scheduler_families(sched: Mapping[str, Any]) -> Iterator[Metric]:
+    if not sched:
+        return
+    queued = _num(sched.get("queued"))
+    if queued is not None:
+        yield GaugeMetricFamily(
+            "gezel_queue_depth", "Requests waiting in the scheduler's queue.", value=queued
+        )
+    cap = _num(sched.get("max_queue"))
+    if cap is not None:
+        yield GaugeMetricFamily("gezel_queue_capacity", "The scheduler's queue bound.", value=cap)
+    waiting = _mapping(sched.get("waiting_model_ids") or sched.get("waiting"))
+    if waiting:
+        fam = GaugeMetricFamily(
+            "gezel_queue_waiting", "Queued requests per model.", labels=["model"]
+        )
+        for model, n in waiting.items():
+            v = _num(n)
+            if v is not None:
+                fam.add_metric([str(model)], v)
+        yield fam
+    running = _mapping(sched.get("running"))
+    if running:
+        fam = GaugeMetricFamily(
+            "gezel_jobs_running", "Admitted jobs not yet finished, per model.", labels=["model"]
+        )
+        for model, n in running.items():
+            v = _num(n)
+            if v is not None:
+                fam.add_metric([str(model)], v)
+        yield fam
+    erases = _mapping(sched.get("erases"))
+    if erases:
+        fam_c = CounterMetricFamily(
+            "gezel_scheduler_erases",
+            "Slot erase decisions made by the scheduler, by result.",
+            labels=["result"],
+        )
+        for result, n in erases.items():
+            v = _num(n)
+            if v is not None:
+                fam_c.add_metric([str(result)], v)
+        yield fam_c
+    owners = _mapping(sched.get("slot_owners"))
+    if owners:
+        fam = GaugeMetricFamily(
+            "gezel_slots_owned", "Slots whose KV belongs to a session, per model.", labels=["model"]
+        )
+        for model, slots in owners.items():
+            fam.add_metric([str(model)], float(sum(1 for o in _mapping(slots).values() if o)))
+        yield fam
+
+
+def _engine_families(engines: object) -> Iterator[Metric]:
+    if not isinstance(engines, list):
+        return
+    state = GaugeMetricFamily(
+        "gezel_engine_state",
+        "1 for the engine's current state, 0 for the others.",
+        labels=["model", "state"],
+    )
+    busy = GaugeMetricFamily(
+        "gezel_engine_busy", "Requests in flight on the engine.", labels=["model"]
+    )
+    starts = CounterMetricFamily("gezel_engine_starts", "Engine process starts.", labels=["model"])
+    crashes = CounterMetricFamily(
+        "gezel_engine_crashes",
+        "Engine failures (exits, failed starts, dead health checks).",
+        labels=["model"],
+    )
+    for eng in engines:
+        e = _mapping(eng)
+        model = str(e.get("model") or e.get("key") or "")
+        if not model:
+            continue
+        current = e.get("state")
+        for s in ENGINE_STATES:
+            state.add_metric([model, s], 1.0 if current == s else 0.0)
+        for fam, key in ((busy, "busy"), (starts, "starts"), (crashes, "crashes")):
+            v = _num(e.get(key))
+            if v is not None:
+                fam.add_metric([model], v)
+    yield from (state, busy, starts, crashes)
+
+
+def _gpu_families(gpu: Mapping[str, Any]) -> Iterator[Metric]:
+    readings = gpu.get("readings")
+    if not isinstance(readings, list) or not readings:
+        return
+    labels = ["gpu", "name"]
+    temp = GaugeMetricFamily("gezel_gpu_temperature_celsius", "GPU temperature.", labels=labels)
+    used = GaugeMetricFamily("gezel_gpu_memory_used_bytes", "GPU memory in use.", labels=labels)
+    total = GaugeMetricFamily("gezel_gpu_memory_total_bytes", "GPU memory in total.", labels=labels)
+    util = GaugeMetricFamily("gezel_gpu_utilization_percent", "GPU utilization.", labels=labels)
+    for i, reading in enumerate(readings):
+        r = _mapping(reading)
+        lv = [str(r.get("index", i)), str(r.get("name") or "")]
+        for fam, key in (
+            (temp, "temperature_c"),
+            (used, "memory_used_bytes"),
+            (total, "memory_total_bytes"),
+            (util, "utilization_pct"),
+        ):
+            v = _num(r.get(key))
+            if v is not None:
+                fam.add_metric(lv, v)
+    yield from (temp, used, total, util)
+
+
+def _calibration_entries(status: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
+    """(model, result) pairs from ``status["calibration"]`` (a map or a list) or each engine's."""
+    out: list[tuple[str, Mapping[str, Any]]] = []
+    cal = status.get("calibration")
+    if isinstance(cal, Mapping):
+        for model, entry in cal.items():
+            if isinstance(entry, Mapping):
+                out.append((str(model), entry))
+    elif isinstance(cal, list):
+        for entry in cal:
+            if isinstance(entry, Mapping) and entry.get("model"):
+                out.append((str(entry["model"]), entry))
+    if not out and isinstance(status.get("engines"), list):
+        for eng in status["engines"]:
+            e = _mapping(eng)
+            c = e.get("calibration")
+            if isinstance(c, Mapping) and e.get("model"):
+                out.append((str(e["model"]), c))
+    return out
+
+
+CALIBRATION_RESULTS = ("passed", "failed", "not_run")
+
+
+def _calibration_families(status: Mapping[str, Any]) -> Iterator[Metric]:
+    entries = _calibration_entries(status)
+    if not entries:
+        return
+    result = GaugeMetricFamily(
+        "gezel_calibration_result",
+        "1 for the model's calibration verdict (passed, failed, not_run), 0 for the others.",
+        labels=["model", "result"],
+    )
+    prompts = GaugeMetricFamily(
+        "gezel_calibration_prompts", "Prompts the last calibration tried.", labels=["model"]
+    )
+    distinct = GaugeMetricFamily(
+        "gezel_calibration_distinct_answers",
+        "Distinct answers among identical co-batched prompts (1 is clean).",
+        labels=["model"],
+    )
+    when = GaugeMetricFamily(
+        "gezel_calibration_timestamp_seconds",
+        "When the last calibration ran (Unix time).",
+        labels=["model"],
+    )
+    for model, c in entries:
+        verdict = c.get("result", c.get("verdict", c.get("state")))
+        if isinstance(c.get("passed"), bool) and verdict is None:
+            verdict = "passed" if c["passed"] else "failed"
+        verdict = str(verdict or "not_run")
+        for r in CALIBRATION_RESULTS:
+            result.add_metric([model, r], 1.0 if verdict == r else 0.0)
+        for fam, keys in (
+            (prompts, ("prompts", "prompts_tried")),
+            (distinct, ("distinct_answers", "distinct")),
+            (when, ("at", "when", "ran_at")),
+        ):
+            for key in keys:
+                v = _num(c.get(key))
+                if v is not None:
+                    fam.add_metric([model], v)
+                    break
+    yield from (result, prompts, distinct, when)
