@@ -172,6 +172,8 @@ class Engine:
         self.last_ready_seconds: float | None = None
         """Seconds from spawn to /health 200 on the last start (llama-server's own load time)."""
         self.argv: tuple[str, ...] = ()
+        self.last_stop_seconds: float | None = None
+        """Seconds from SIGTERM to exit on the last graceful stop."""
         self._busy = 0
         self._last_used = trio.current_time()
         self._attempt_no = 0
@@ -269,6 +271,7 @@ class Engine:
             "last_crash": self.last_crash,
             "busy": self._busy,
             "load_seconds": self.last_ready_seconds,
+            "stop_seconds": self.last_stop_seconds,
             "argv": list(self.argv),
             "log_tail": self.log.tail(20),
         }
@@ -508,7 +511,9 @@ class Engine:
     async def _stop_gracefully(self, proc: ProcessHandle, exited: trio.Event) -> None:
         self._stopping_on_purpose = True
         self._set(EngineState.STOPPING)
+        t0 = trio.current_time()
         await self._terminate(proc, exited, graceful=True)
+        self.last_stop_seconds = trio.current_time() - t0
         self.crash_streak = 0
         self._set(EngineState.STOPPED)
 
