@@ -36,6 +36,7 @@ from .gpu.health import DeviceSafetyPolicy, HealthGate
 from .gpu.ledger import CPU_DEVICE, DeviceLedger, default_capacities, gpu_device_id, open_ledger
 from .gpu.probe import NvmlProbe, Probe
 from .lane import ModelRuntime
+from .metrics import Metrics
 from .scheduler import Grant, JobKind, Scheduler, open_scheduler
 
 log = logging.getLogger("gezel_trio.host")
@@ -105,6 +106,7 @@ class Host:
         self.ledger = ledger
         self.pressure_releases = 0
         self.calibration_book = CalibrationBook(config.state_dir / "calibration.json")
+        self.metrics = Metrics(status=self.status)
         self.models: dict[str, ModelRuntime] = {}
         self.scheduler: Scheduler | None = None
         self.started_at = time.time()
@@ -174,7 +176,9 @@ class Host:
         lease_class = runtime.config.gpu_class
 
         async def job(grant: Grant) -> T:
+            t0 = trio.current_time()
             async with self.arbiter.lease(lease_class):
+                self.metrics.lease_wait(trio.current_time() - t0)
                 with runtime.engine.in_use():
                     return await run(grant)
 
@@ -437,7 +441,13 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
             env = None
             if not model.external and resolver.error is None:
                 env = resolver.get().launch_env()
-            runtime = ModelRuntime(config=model, engine=None, http=http, arbiter=arbiter)  # type: ignore[arg-type]
+            runtime = ModelRuntime(
+                config=model,
+                engine=None,  # type: ignore[arg-type]
+                http=http,
+                arbiter=arbiter,
+                metrics=host.metrics,
+            )
             runtime.engine = await stack.enter_async_context(
                 open_engine(
                     key=model.id,

@@ -24,6 +24,7 @@ from .engine.planner import EnginePlan
 from .engine.supervisor import Engine
 from .errors import EngineFailed
 from .gpu.arbiter import GpuArbiter
+from .metrics import Metrics
 from .scheduler.policy import SlotMeasurement
 from .sessions import session_hash
 
@@ -52,6 +53,8 @@ class ModelRuntime:
     parking_stats: dict[str, int] = field(default_factory=lambda: {"saved": 0, "restored": 0})
     _parked: collections.OrderedDict[str, str] = field(default_factory=collections.OrderedDict)
     _parked_generation: int = -1
+    metrics: Metrics | None = None
+    _crashes_seen: int = 0
 
     # ------------------------------------------------------------------ identity
 
@@ -89,6 +92,11 @@ class ModelRuntime:
         if self.arbiter is not None:
             await self.arbiter.acquire(self.config.gpu_class)
         await self.engine.ensure_ready()
+        if self.engine.crashes > self._crashes_seen:
+            # READY again after a crash, failed start or dead health check: a restart
+            self._crashes_seen = self.engine.crashes
+            if self.metrics is not None and self.engine.starts > 1:
+                self.metrics.engine_restart(self.id)
 
     async def measure_slots(self) -> SlotMeasurement | None:
         base = self.engine.base_url
@@ -121,10 +129,18 @@ class ModelRuntime:
         base = self.engine.base_url
         if base is None:
             raise EngineFailed(f"engine for model {self.id!r} is not running")
-        resp = await self.http.post(
-            f"{base}/slots/{slot_id}", params={"action": "erase"}, timeout=5.0
-        )
-        if resp.status_code != 200:
+        try:
+            resp = await self.http.post(
+                f"{base}/slots/{slot_id}", params={"action": "erase"}, timeout=5.0
+            )
+        except httpx.HTTPError:
+            if self.metrics is not None:
+                self.metrics.erase(self.id, False)
+            raise
+        ok = resp.status_code == 200
+        if self.metrics is not None:
+            self.metrics.erase(self.id, ok)
+        if not ok:
             raise EngineFailed(
                 f"erase of slot {slot_id} answered {resp.status_code}: {resp.text[:200]}"
             )

@@ -15,7 +15,9 @@ buffered except the last few KiB, where the usage and timings are.
 
 from __future__ import annotations
 
+import collections
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -29,6 +31,7 @@ from ..host import Host
 from ..metrics import CONTENT_TYPE, Metrics
 
 bp = Blueprint("metrics", __name__)
+request_log = logging.getLogger("gezel_trio.requests")
 
 UNRESOLVED = "(unresolved)"
 INSTRUMENTED_BLUEPRINTS = frozenset({"openai", "native"})
@@ -134,7 +137,8 @@ def install_metrics(app: QuartTrio, metrics: Metrics) -> None:
         status = resp.status_code
         body = resp.response
         if isinstance(body, IterableBody):
-            resp.response = IterableBody(_observed_stream(metrics, body, model, status, t0))
+            fields = dict(g.get("gezel_log", {}))
+            resp.response = IterableBody(_observed_stream(metrics, body, model, status, t0, fields))
             return resp
         counts: tuple[int | None, int | None, int | None] = (None, None, None)
         if status == 200 and (resp.content_length or 0) <= _MAX_PARSE_BYTES:
@@ -144,23 +148,74 @@ def install_metrics(app: QuartTrio, metrics: Metrics) -> None:
                     counts = token_counts(json.loads(await resp.get_data(as_text=False)))
                 except ValueError:
                     pass
-        metrics.request_done(model, status, time.perf_counter() - t0, None, *counts)
+        duration = time.perf_counter() - t0
+        metrics.request_done(model, status, duration, None, *counts)
+        log_request(model, status, duration, None, counts, g.get("gezel_log", {}))
         return resp
 
 
 async def _observed_stream(
-    metrics: Metrics, body: IterableBody, model: str, status: int, t0: float
+    metrics: Metrics,
+    body: IterableBody,
+    model: str,
+    status: int,
+    t0: float,
+    fields: dict[str, Any],
 ) -> AsyncIterator[bytes]:
     first: float | None = None
-    tail = b""
+    recent: collections.deque[bytes] = collections.deque()
+    held = 0
     try:
         async with body as chunks:
             async for chunk in chunks:
                 if first is None:
                     first = time.perf_counter()
                 if isinstance(chunk, bytes | bytearray):
-                    tail = (tail + bytes(chunk))[-_TAIL_BYTES:]
+                    recent.append(bytes(chunk))
+                    held += len(chunk)
+                    while held - len(recent[0]) >= _TAIL_BYTES:
+                        held -= len(recent.popleft())
                 yield chunk
     finally:
         ttft = None if first is None else first - t0
-        metrics.request_done(model, status, time.perf_counter() - t0, ttft, *_tail_counts(tail))
+        duration = time.perf_counter() - t0
+        counts = _tail_counts(b"".join(recent)[-_TAIL_BYTES:])
+        metrics.request_done(model, status, duration, ttft, *counts)
+        log_request(model, status, duration, ttft, counts, fields)
+
+
+def log_request(
+    model: str,
+    status: int,
+    duration_s: float,
+    ttft_s: float | None,
+    counts: tuple[int | None, int | None, int | None],
+    fields: dict[str, Any],
+) -> None:
+    """The one structured line per request: model, session hash, slot, queue wait,
+    TTFT, tokens, status. ``fields`` carries what the relay knew (session, slot, wait)."""
+    prompt, cached, completion = counts
+    request_log.info(
+        "request",
+        extra={
+            "fields": {
+                "model": model,
+                "status": status,
+                "session": fields.get("session"),
+                "slot": fields.get("slot"),
+                "queue_wait_ms": fields.get("queue_wait_ms"),
+                "ttft_ms": None if ttft_s is None else round(ttft_s * 1000, 2),
+                "duration_ms": round(duration_s * 1000, 2),
+                "prompt_tokens": prompt,
+                "cached_tokens": cached,
+                "completion_tokens": completion,
+                "path": request.path if _in_request() else None,
+            }
+        },
+    )
+
+
+def _in_request() -> bool:
+    from quart import has_request_context
+
+    return has_request_context()

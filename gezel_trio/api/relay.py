@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import trio
-from quart import Response, request
+from quart import Response, g, request
 
 from ..errors import EngineCrashed, GezelError
 from ..host import Grant, Host, ModelRuntime
@@ -79,7 +79,6 @@ def _read_timeout(host: Host) -> float:
 async def _unary(
     host: Host, runtime: ModelRuntime, body: dict[str, Any], path: str, session: str | None
 ) -> Response:
-    t0 = time.perf_counter()
 
     async def run(grant: Grant) -> tuple[Response, Grant]:
         assert runtime.engine.base_url is not None
@@ -97,14 +96,13 @@ async def _unary(
         return resp, grant
 
     resp, grant = await host.run_job(runtime, run, session=session)
-    _log_request(runtime, session, grant, resp.status_code, t0, None)
+    _note_for_log(session, grant)
     return resp
 
 
 async def _stream(
     host: Host, runtime: ModelRuntime, body: dict[str, Any], path: str, session: str | None
 ) -> Response:
-    t0 = time.perf_counter()
     send, recv = trio.open_memory_channel[UpstreamHead | bytes](32)
     scope = trio.CancelScope()
     outcome: dict[str, Any] = {"error": None, "grant": None, "first_byte": None}
@@ -151,17 +149,17 @@ async def _stream(
             first = await recv.receive()
         except trio.EndOfChannel:
             err = outcome["error"] or EngineCrashed("the engine closed the stream before answering")
-            _log_request(runtime, session, outcome["grant"], err.status, t0, None)
+            _note_for_log(session, outcome["grant"])
             return response_for(err)
         if isinstance(first, bytes):
             # The error event of a job that failed before the engine answered.
             err = outcome["error"] or EngineCrashed("the engine failed before answering")
-            _log_request(runtime, session, outcome["grant"], err.status, t0, None)
+            _note_for_log(session, outcome["grant"])
             return response_for(err)
         head = first
         if head.status != 200:
             chunks = [c async for c in recv if isinstance(c, bytes)]
-            _log_request(runtime, session, outcome["grant"], head.status, t0, None)
+            _note_for_log(session, outcome["grant"])
             return Response(b"".join(chunks), status=head.status, content_type=head.content_type)
 
         async def body_iter() -> AsyncIterator[bytes]:
@@ -183,9 +181,8 @@ async def _stream(
                         yield parts[0] if len(parts) == 1 else b"".join(parts)
             finally:
                 scope.cancel()
-                status = outcome["error"].status if outcome["error"] else 200
-                _log_request(runtime, session, outcome["grant"], status, t0, outcome["first_byte"])
 
+        _note_for_log(session, outcome["grant"])
         resp = Response(
             body_iter(), status=200, content_type="text/event-stream", headers=SSE_HEADERS
         )
@@ -198,25 +195,10 @@ async def _stream(
             recv.close()
 
 
-def _log_request(
-    runtime: ModelRuntime,
-    session: str | None,
-    grant: Grant | None,
-    status: int,
-    t0: float,
-    first_byte: float | None,
-) -> None:
-    log.info(
-        "request",
-        extra={
-            "fields": {
-                "model": runtime.id,
-                "session": session_hash(session),
-                "slot": grant.slot_id if grant else None,
-                "queue_wait_ms": round(grant.queue_wait_s * 1000, 2) if grant else None,
-                "ttft_ms": round((first_byte - t0) * 1000, 2) if first_byte else None,
-                "duration_ms": round((time.perf_counter() - t0) * 1000, 2),
-                "status": status,
-            }
-        },
-    )
+def _note_for_log(session: str | None, grant: Grant | None) -> None:
+    """Hand the request log line what only the relay knows (see metrics_endpoint.log_request)."""
+    g.gezel_log = {
+        "session": session_hash(session),
+        "slot": grant.slot_id if grant else None,
+        "queue_wait_ms": round(grant.queue_wait_s * 1000, 2) if grant else None,
+    }
