@@ -37,6 +37,14 @@ class BadRequest(GezelError):
     type = "invalid_request_error"
 
 
+class FieldError(BadRequest):
+    """One field of the request is wrong; ``param`` names it (OpenAI's error ``param``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
 class UnknownModel(GezelError):
     status = 404
     code = "model_not_found"

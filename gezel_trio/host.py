@@ -12,6 +12,7 @@ scheduler before the engines, each engine before its reservation.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,7 +28,7 @@ from .calibration import CalibrationBook, calibrate, serve_calibration
 from .config import Config, ModelConfig
 from .engine.argv import build_argv
 from .engine.binary import BuildFacts, EngineBinary, read_build_facts, resolve_engine
-from .engine.gguf_meta import GGUFError, GGUFInfo, read_gguf_info
+from .engine.gguf_meta import GGUFError, read_gguf_info
 from .engine.planner import plan_engine
 from .engine.supervisor import SupervisorTiming, default_slot_save_dir, no_reservation, open_engine
 from .errors import ConfigError, EngineFailed, EngineNotFound, ModelLocked, NoCapacity, UnknownModel
@@ -312,19 +313,18 @@ def _reservation(
     after it has exited. Raises NoCapacity naming bytes needed, free and held.
     """
     model = runtime.config
-    info_cache: list[GGUFInfo] = []
 
     @asynccontextmanager
     async def reserve() -> AsyncIterator[object]:
         assert model.path is not None
-        if not info_cache:
+        if runtime.gguf is None:
             try:
-                info_cache.append(await trio.to_thread.run_sync(read_gguf_info, model.path))
+                runtime.gguf = await trio.to_thread.run_sync(read_gguf_info, model.path)
             except GGUFError as exc:
                 raise EngineFailed(
                     f"engine for model {model.id!r} cannot start: {exc.message}"
                 ) from exc
-        info = info_cache[0]
+        info = runtime.gguf
         device = host.compute_device()
         budget = host.ledger.capacities.get(device, 0)
         reserved = await host.ledger.reserved_bytes(device, exclude_owner=model.id)
@@ -465,6 +465,9 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
             )
             if not model.external:
                 arbiter.register_evictor(model.gpu_class, runtime.engine.stop, owner_id=model.id)
+                assert model.path is not None
+                with contextlib.suppress(GGUFError):  # an unreadable file fails at engine start
+                    runtime.gguf = await trio.to_thread.run_sync(read_gguf_info, model.path)
             host.models[model.id] = runtime
         sched = config.scheduler
         host.scheduler = await stack.enter_async_context(

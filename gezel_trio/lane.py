@@ -20,9 +20,10 @@ import httpx
 
 from .calibration import CalibrationState
 from .config import ModelConfig
+from .engine.gguf_meta import GGUFInfo
 from .engine.planner import EnginePlan
 from .engine.supervisor import Engine
-from .errors import EngineFailed
+from .errors import EngineFailed, FieldError
 from .gpu.arbiter import GpuArbiter
 from .metrics import Metrics
 from .scheduler.policy import SlotMeasurement
@@ -54,6 +55,8 @@ class ModelRuntime:
     _parked: collections.OrderedDict[str, str] = field(default_factory=collections.OrderedDict)
     _parked_generation: int = -1
     metrics: Metrics | None = None
+    gguf: GGUFInfo | None = None
+    """The model file's metadata, read once when the host opens (None: external or unreadable)."""
     _crashes_seen: int = 0
 
     # ------------------------------------------------------------------ identity
@@ -69,6 +72,26 @@ class ModelRuntime:
     @property
     def display_name(self) -> str:
         return self.config.display_name
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.gguf.vocab_size if self.gguf else None
+
+    def check_token_ids(self, tokens: object, field: str) -> None:
+        """400 naming ``field`` when a token id is outside the model's vocabulary.
+
+        llama-server answers 500 (or worse) for an out-of-vocabulary id.
+        """
+        vocab = self.vocab_size
+        if vocab is None or not isinstance(tokens, list):
+            return
+        for t in tokens:
+            if isinstance(t, list):
+                self.check_token_ids(t, field)
+            elif isinstance(t, int) and not 0 <= t < vocab:
+                raise FieldError(
+                    field, f"token id {t} is outside the model's vocabulary (0..{vocab - 1})"
+                )
 
     # ------------------------------------------------------------------ EngineLane
 

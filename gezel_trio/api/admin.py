@@ -11,10 +11,10 @@ from typing import Any
 from quart import Blueprint, Response, current_app, request
 
 from ..config import Config, GpuPolicySetting, LogLevel, _coerce, validate
-from ..errors import ConfigError
+from ..errors import ConfigError, FieldError
 from ..host import Host
 from .errors import error_response, json_response
-from .validation import FieldError, read_json_object
+from .validation import read_json_object
 
 log = logging.getLogger("gezel_trio.api")
 

@@ -6,10 +6,12 @@ components of its own (they live in ``open_host``'s nursery tree).
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 from typing import Any
 
+import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -118,6 +120,12 @@ def create_app(host: Host) -> QuartTrio:
             405: f"method {request.method} is not allowed on {request.path[:200]}",
             413: f"the request body is larger than the limit of {cfg.max_body_bytes} bytes",
         }
+        if status in (404, 405):
+            # Read (and drop) the unread body, bounded by the body limit, so the
+            # next request on this keep-alive connection is parsed, not stuck
+            # behind it.
+            with trio.move_on_after(5), contextlib.suppress(Exception):
+                await request.get_data(cache=False)
         return error_response(status, messages.get(status, exc.description or exc.name))
 
     @app.errorhandler(Exception)

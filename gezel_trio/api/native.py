@@ -30,12 +30,12 @@ from typing import Any
 from quart import Blueprint, Response, current_app, request
 
 from ..engine.supervisor import EngineState
-from ..errors import EngineCrashed
+from ..errors import EngineCrashed, FieldError
 from ..host import Grant, Host, ModelRuntime
 from ..proxy import UpstreamResult, forward
 from .metrics_endpoint import note_model
 from .relay import proxy_completion
-from .validation import FieldError, read_json_object
+from .validation import read_json_object
 
 bp = Blueprint("native", __name__)
 
@@ -150,6 +150,8 @@ async def _tokenize(model: str | None, path: str) -> Response:
             raise FieldError("tokens", "required: an array of non-negative token ids")
     note_model(host, body.get("model"))
     runtime = host.resolve_model(body.get("model"))
+    if path == "/detokenize":
+        runtime.check_token_ids(body.get("tokens"), "tokens")
     return _answer(await _engine_call(host, runtime, "POST", path, body=body))
 
 

@@ -16,12 +16,13 @@ from typing import Any
 
 from quart import Blueprint, Response, current_app
 
+from ..errors import FieldError
 from ..host import Grant, Host
 from ..proxy import forward
 from .errors import json_response
 from .metrics_endpoint import note_model
 from .relay import proxy_completion
-from .validation import FieldError, read_json_object
+from .validation import read_json_object
 
 bp = Blueprint("openai", __name__)
 

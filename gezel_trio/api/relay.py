@@ -17,12 +17,12 @@ from typing import Any
 import trio
 from quart import Response, g, request
 
-from ..errors import EngineCrashed, GezelError
+from ..errors import EngineCrashed, FieldError, GezelError
 from ..host import Grant, Host, ModelRuntime
 from ..proxy import UpstreamHead, forward, relay_stream, sse_error_event
 from ..sessions import session_hash
 from .errors import response_for
-from .validation import FieldError, check_completion_body
+from .validation import check_completion_body
 
 log = logging.getLogger("gezel_trio.requests")
 
@@ -51,6 +51,7 @@ def upstream_body(body: dict[str, Any], grant: Grant) -> dict[str, Any]:
 
 
 def _check_limits(runtime: ModelRuntime, body: dict[str, Any]) -> None:
+    runtime.check_token_ids(body.get("prompt"), "prompt")
     ctx = runtime.config.ctx_per_slot
     for name in ("max_tokens", "max_completion_tokens", "n_predict"):
         v = body.get(name)

@@ -8,13 +8,7 @@ from typing import Any
 
 from quart import request
 
-from ..errors import BadRequest
-
-
-class FieldError(BadRequest):
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
+from ..errors import BadRequest, FieldError
 
 
 async def read_json_object() -> dict[str, Any]:
@@ -41,6 +35,16 @@ async def read_json_object() -> dict[str, Any]:
         raise BadRequest("the request body nests too deeply") from exc
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    if "\\u" in text:
+        # A \ud800-style escape decodes to a lone surrogate, which cannot be sent on
+        # as UTF-8; find it now rather than when the request is forwarded.
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise BadRequest(
+                "the request body contains a lone UTF-16 surrogate escape (e.g. \\ud800); "
+                "send valid Unicode"
+            ) from exc
     return body
 
 
@@ -84,9 +88,7 @@ def check_completion_body(body: dict[str, Any], *, kind: str) -> None:
                 raise FieldError(f"messages[{i}]", "expected an object with role and content")
             if not isinstance(m.get("role"), str):
                 raise FieldError(f"messages[{i}].role", "expected a string")
-            content = m.get("content")
-            if content is not None and not isinstance(content, str | list):
-                raise FieldError(f"messages[{i}].content", "expected a string or an array of parts")
+            _check_message(i, m)
     elif kind in ("text", "native"):
         prompt = body.get("prompt")
         if kind == "text" and prompt is None:
@@ -124,6 +126,7 @@ def check_completion_body(body: dict[str, Any], *, kind: str) -> None:
         v = body.get(name)
         if v is not None and not _is_int(v):
             raise FieldError(name, "expected an integer")
+    _check_openai_shapes(body)
     n = body.get("n")
     if n is not None and (not _is_int(n) or n != 1):
         raise FieldError("n", "only n = 1 is supported")
@@ -146,3 +149,75 @@ def _valid_prompt(prompt: Any) -> bool:
             isinstance(p, list) and all(_is_int(t) and t >= 0 for t in p) for p in prompt
         )
     return False
+
+
+def _check_openai_shapes(body: dict[str, Any]) -> None:
+    """Shapes of the OpenAI fields llama-server parses itself and answers 500 for.
+
+    llama-server treats a malformed ``tools`` (and friends) as its own failure
+    (HTTP 500); these are the client's mistakes, so they are a 400 naming the
+    field before the request is queued.
+    """
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise FieldError("tools", "expected an array of tool objects")
+        for i, tool in enumerate(tools):
+            if not isinstance(tool, dict) or not isinstance(tool.get("type", "function"), str):
+                raise FieldError(f"tools[{i}]", "expected an object with a type")
+            fn = tool.get("function")
+            if fn is not None and (not isinstance(fn, dict) or not isinstance(fn.get("name"), str)):
+                raise FieldError(f"tools[{i}].function", "expected an object with a string name")
+    choice = body.get("tool_choice")
+    if choice is not None and not isinstance(choice, str | dict):
+        raise FieldError("tool_choice", "expected a string or an object")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str)):
+        raise FieldError("response_format", "expected an object with a string type")
+    for name in ("logit_bias", "chat_template_kwargs", "metadata", "json_schema"):
+        v = body.get(name)
+        if v is not None and not isinstance(v, dict | list) and name != "json_schema":
+            raise FieldError(name, "expected an object")
+        if name == "json_schema" and v is not None and not isinstance(v, dict):
+            raise FieldError(name, "expected an object")
+    for name in ("parallel_tool_calls", "logprobs", "echo", "ignore_eos", "cache_prompt"):
+        v = body.get(name)
+        if v is not None and not isinstance(v, bool):
+            raise FieldError(name, "expected true or false")
+    for name in ("user", "grammar", "reasoning_format", "reasoning_effort"):
+        v = body.get(name)
+        if v is not None and not isinstance(v, str):
+            raise FieldError(name, "expected a string")
+
+
+_MESSAGE_STRINGS = ("name", "tool_call_id", "reasoning_content", "refusal")
+
+
+def _check_message(i: int, m: dict[str, Any]) -> None:
+    """One chat message: llama-server's template code answers 500 for wrong types here."""
+    where = f"messages[{i}]"
+    content = m.get("content")
+    if content is not None and not isinstance(content, str):
+        if not isinstance(content, list):
+            raise FieldError(f"{where}.content", "expected a string or an array of parts")
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise FieldError(f"{where}.content[{j}]", "expected an object with a string type")
+            if part["type"] == "text" and not isinstance(part.get("text"), str):
+                raise FieldError(f"{where}.content[{j}].text", "expected a string")
+    for key in _MESSAGE_STRINGS:
+        if key in m and not isinstance(m[key], str):
+            raise FieldError(f"{where}.{key}", "expected a string")
+    calls = m.get("tool_calls")
+    if calls is not None:
+        if not isinstance(calls, list):
+            raise FieldError(f"{where}.tool_calls", "expected an array")
+        for j, call in enumerate(calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise FieldError(
+                    f"{where}.tool_calls[{j}]", "expected an object with function.name"
+                )
+            args = fn.get("arguments")
+            if args is not None and not isinstance(args, str | dict):
+                raise FieldError(f"{where}.tool_calls[{j}].function.arguments", "expected a string")
