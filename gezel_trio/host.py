@@ -30,7 +30,13 @@ from .engine.argv import build_argv
 from .engine.binary import BuildFacts, EngineBinary, read_build_facts, resolve_engine
 from .engine.gguf_meta import GGUFError, read_gguf_info
 from .engine.planner import plan_engine
-from .engine.supervisor import SupervisorTiming, default_slot_save_dir, no_reservation, open_engine
+from .engine.supervisor import (
+    EngineState,
+    SupervisorTiming,
+    default_slot_save_dir,
+    no_reservation,
+    open_engine,
+)
 from .errors import ConfigError, EngineFailed, EngineNotFound, ModelLocked, NoCapacity, UnknownModel
 from .gpu.arbiter import GpuArbiter, resolve_policy
 from .gpu.health import DeviceSafetyPolicy, HealthGate
@@ -177,6 +183,10 @@ class Host:
         lease_class = runtime.config.gpu_class
 
         async def job(grant: Grant) -> T:
+            if runtime.engine.state.value is not EngineState.READY:
+                # The engine died after this job was admitted but before it was sent:
+                # restart it lazily rather than fail a request the engine never saw.
+                await runtime.ensure_resident()
             t0 = trio.current_time()
             async with self.arbiter.lease(lease_class):
                 self.metrics.lease_wait(trio.current_time() - t0)
@@ -383,8 +393,6 @@ async def _serve_memory_pressure(
 
 
 def engine_is_ready(rt: ModelRuntime) -> bool:
-    from .engine.supervisor import EngineState
-
     return rt.engine.state.value is EngineState.READY
 
 
