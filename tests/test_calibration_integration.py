@@ -94,12 +94,15 @@ async def test_dense_model_calibrates_on_demand_and_passes(
         engine_binary=engine_binary,
     )
     with trio.fail_after(120):
-        async with running(cfg) as (host, _client):
+        async with running(cfg) as (host, client):
             rt = host.models["tiny"]
             assert rt.calibration.arch is not None and not rt.calibration.arch.recurrent
             assert rt.parallel == 3  # dense attention: no ceiling before calibration
-            result = await host.calibrate(rt)
+            resp = await client.post("/api/models/tiny/calibrate")
+            assert resp.status_code == 200, resp.text
+            result = resp.json()
             assert result["verdict"] == "passed" and not result["crashed"]
+            assert result["admission_ceiling"] == 3
             assert result["distinct_answers"] == 1
             assert rt.parallel == 3 and rt.ceiling is None
             # remembered per model file and engine build

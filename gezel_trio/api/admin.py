@@ -58,6 +58,19 @@ async def unload(model_id: str) -> Response:
     return json_response({"model": rt.id, "state": rt.engine.state.value.value})
 
 
+@bp.post("/api/models/<model_id>/calibrate")
+async def calibrate(model_id: str) -> Response:
+    """Run the co-batch calibration now, as an exclusive operation; answer its result."""
+    host = _host()
+    rt = host.resolve_model(model_id)
+    if rt.config.external:
+        raise FieldError("model_id", "an external engine is not calibrated by this host")
+    result = await host.calibrate(rt)
+    return json_response(
+        {"model": rt.id, "admission_ceiling": rt.parallel, "reason": rt.ceiling_reason, **result}
+    )
+
+
 # ------------------------------------------------------------------ live configuration
 
 # What ``PUT /api/config`` may change, the type each value must have, and

@@ -375,6 +375,26 @@ def _build_spec() -> dict[str, Any]:
                 },
             }
         },
+        "/api/models/{model_id}/calibrate": {
+            "post": {
+                "tags": ["admin"],
+                "summary": "Run the co-batch calibration now (an exclusive operation)",
+                "parameters": [MODEL_ID_PARAM],
+                "responses": {
+                    "200": _ok(
+                        "`{model, verdict, crashed, prompts_tried, distinct_answers, "
+                        "admission_ceiling, ...}`",
+                        {"type": "object"},
+                    ),
+                    "400": _err("The model is served by an external engine."),
+                    "401": E401,
+                    "403": E403,
+                    "404": E404_MODEL,
+                    "409": E409,
+                    "503": E503,
+                },
+            }
+        },
     }
     for op in ("completion", "tokenize", "detokenize", "props", "slots"):
         paths[f"/{op}"] = _native(op, prefixed=False)
