@@ -688,7 +688,12 @@ def test_gezel_config_is_accepted_by_the_host_config(tmp_path: Path) -> None:
     settings = LaunchSettings(model_path=model, parallel=3, ctx_per_slot=1024, workdir=tmp_path)
     engine = EngineCommand(Path("/opt/llama server/llama-server"), {})
     text = gezel_config_toml(
-        settings=settings, engine=engine, port=8123, affinity=False, pinning=False
+        settings=settings,
+        engine=engine,
+        port=8123,
+        affinity=False,
+        pinning=False,
+        kv_parking=False,
     )
     data = tomllib.loads(text)
     assert data["server"] == {"host": "127.0.0.1", "port": 8123}
@@ -696,7 +701,7 @@ def test_gezel_config_is_accepted_by_the_host_config(tmp_path: Path) -> None:
     assert data["models"] == [
         {"id": "tiny", "path": str(model), "parallel": 3, "ctx_per_slot": 1024}
     ]
-    assert data["scheduler"] == {"affinity": False, "pinning": False}
+    assert data["scheduler"] == {"affinity": False, "pinning": False, "kv_parking": False}
     from gezel_trio.config import load_config, validate
 
     path = tmp_path / "g.toml"
@@ -704,6 +709,7 @@ def test_gezel_config_is_accepted_by_the_host_config(tmp_path: Path) -> None:
     config = load_config(path)
     validate(config)
     assert config.server.port == 8123 and config.scheduler.affinity is False
+    assert config.scheduler.kv_parking is False
     assert [(m.id, m.parallel, m.ctx_per_slot) for m in config.models] == [("tiny", 3, 1024)]
 
 

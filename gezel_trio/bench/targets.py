@@ -7,7 +7,8 @@ Kinds that launch a server (all on the same binary, model and slot count):
 - ``router``: llama-server's router mode (``--models-dir`` holding the model), where
   the binary supports it (``--help`` lists ``--models-dir``), else skipped;
 - ``gezel``: ``gezel-trio serve --config`` with a generated TOML (affinity and slot
-  pinning on), and ``gezel-noaffinity`` with both off.
+  pinning on), ``gezel-noaffinity`` with both off, and ``gezel-noparking`` (affinity
+  and pinning on, KV parking off: a handoff erases).
 
 :func:`open_target` launches one in its own process group, waits for it to answer,
 yields an :class:`Endpoint`, and on exit (normal, error or cancellation) stops the
@@ -51,8 +52,14 @@ __all__ = [
     "router_support",
 ]
 
-Kind = Literal["direct", "router", "gezel", "gezel-noaffinity"]
-LAUNCH_KINDS: tuple[Kind, ...] = ("direct", "router", "gezel", "gezel-noaffinity")
+Kind = Literal["direct", "router", "gezel", "gezel-noaffinity", "gezel-noparking"]
+LAUNCH_KINDS: tuple[Kind, ...] = (
+    "direct",
+    "router",
+    "gezel",
+    "gezel-noaffinity",
+    "gezel-noparking",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +190,7 @@ def gezel_config_toml(
     port: int,
     affinity: bool,
     pinning: bool,
+    kv_parking: bool = True,
 ) -> str:
     """The ``gezel-trio serve`` config of a benchmark target (the one place its shape
     lives): one model with the benchmark's slots and per-slot context."""
@@ -206,6 +214,7 @@ def gezel_config_toml(
             "[scheduler]",
             f"affinity = {b}",
             f"pinning = {p}",
+            f"kv_parking = {'true' if kv_parking else 'false'}",
             "",
         ]
     )
@@ -404,15 +413,21 @@ async def open_target(
         async with _launched(argv, env, log, base_url, startup_s=settings.startup_timeout):
             yield Endpoint(name, base_url, "llama", settings.model_id, description)
     else:
-        on = kind == "gezel"
+        on = kind != "gezel-noaffinity"
+        parking = kind == "gezel"
         config = gezel_config_toml(
-            settings=settings, engine=engine, port=port, affinity=on, pinning=on
+            settings=settings,
+            engine=engine,
+            port=port,
+            affinity=on,
+            pinning=on,
+            kv_parking=parking,
         )
         config_path = settings.workdir / f"{name}.toml"
         config_path.write_text(config, encoding="utf-8")
         argv = gezel_serve_argv(config_path)
         env["GEZEL_LLAMA_SERVER"] = str(engine.path)
-        description.update(argv=argv, config=config, affinity=on, pinning=on)
+        description.update(argv=argv, config=config, affinity=on, pinning=on, kv_parking=parking)
         async with _launched(
             argv,
             env,
