@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -16,29 +15,20 @@ from typing import Any
 
 import httpx
 
+from gezel_trio.bench.metrics import percentile
+from gezel_trio.engine.supervisor import free_port
+
 RESULTS = Path(__file__).resolve().parent / "results"
+
+__all__ = ["free_port", "host_process", "median", "pct", "write_result"]
 
 
 def pct(values: Sequence[float], p: float) -> float:
-    if not values:
-        return float("nan")
-    s = sorted(values)
-    k = (len(s) - 1) * p / 100
-    lo = int(k)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+    return percentile(values, p) if values else float("nan")
 
 
 def median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return pct(values, 50)
 
 
 def toml_config(models: list[dict[str, Any]], *, port: int, state_dir: str, extra: str = "") -> str:

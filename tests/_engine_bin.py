@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import tempfile
 from collections.abc import AsyncIterator, Sequence
@@ -18,20 +17,13 @@ import httpx
 import trio
 
 from gezel_trio.engine.binary import resolve_engine
+from gezel_trio.engine.supervisor import free_port
 
 
 def llama_server_command() -> tuple[Path, dict[str, str]]:
     """The llama-server binary the host would use, and the environment to exec it with."""
     found = resolve_engine()
     return found.path, found.launch_env()
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @dataclass

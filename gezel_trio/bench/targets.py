@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -31,6 +30,8 @@ from typing import Any, Literal
 
 import httpx
 import trio
+
+from gezel_trio.engine.supervisor import free_port
 
 from .errors import BenchError, TargetFailed
 from .synth import Api
@@ -134,13 +135,6 @@ def gguf_vocab_size(path: Path) -> int | None:
         if key.endswith(".vocab_size") and value.data:
             return int(value.parts[value.data[0]][0])
     return None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now (another process may take it before we bind)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def direct_argv(engine: EngineCommand, settings: LaunchSettings, port: int) -> list[str]:

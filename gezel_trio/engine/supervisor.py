@@ -87,10 +87,10 @@ async def spawn_process(argv: Sequence[str], env: Mapping[str, str]) -> ProcessH
     return proc
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now."""
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now (another process may take it before it is bound)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         port: int = s.getsockname()[1]
         return port
 
