@@ -64,6 +64,8 @@ class SchedulerConfig:
     max_queue: int = 256
     slot_poll: float = 0.25
     affinity: bool = True
+    affinity_max_wait: float = 1.0
+    """Seconds a queued request may be passed over by sessions that hold slots."""
     pinning: bool = True
     erase_on_handoff: bool = True
     kv_parking: bool = True

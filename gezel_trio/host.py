@@ -485,6 +485,7 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
                 max_queue=sched.max_queue,
                 slot_poll=sched.slot_poll,
                 affinity=sched.affinity,
+                affinity_max_wait=sched.affinity_max_wait,
                 pinning=sched.pinning,
                 erase_on_handoff=sched.erase_on_handoff,
                 kv_parking=sched.kv_parking,

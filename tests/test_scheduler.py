@@ -653,7 +653,7 @@ async def test_jobs_whose_session_holds_a_slot_go_first_keyless_fifo(
     autojump_clock: trio.testing.MockClock, pool: FakePool
 ) -> None:
     a = FakeLane(pool, "a", parallel=1)
-    async with running({"a": a}) as h:
+    async with running({"a": a}, affinity_max_wait=10.0) as h:
         t0 = trio.current_time()
         h.submit(a, session="chat-1", duration=2.0, label="s1")
         k = h.submit(a, at=1.0, duration=1.0, label="k")
@@ -662,6 +662,25 @@ async def test_jobs_whose_session_holds_a_slot_go_first_keyless_fifo(
     assert s1b.start == t0 + 2.0  # affine: chat-1 holds slot 0
     assert s1b.grant is not None and s1b.grant.slot_id == 0 and not s1b.grant.erased
     assert (k.start, s2.start) == (t0 + 3.0, t0 + 4.0)  # then FIFO
+    assert a.bleeds == []
+
+
+async def test_affinity_cannot_starve_a_chat_that_holds_no_slot(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    """Closed-loop agents: chat-1 holds the only slot and comes straight back after
+    every answer. chat-2, queued at t=0.5, must not wait behind it forever: once it
+    has waited affinity_max_wait (1 s), it goes first at the next free slot."""
+    a = FakeLane(pool, "a", parallel=1)
+    async with running({"a": a}, affinity_max_wait=1.0) as h:
+        t0 = trio.current_time()
+        h.submit(a, session="chat-1", duration=0.4, label="c1-0")
+        other = h.submit(a, at=0.5, session="chat-2", duration=0.4, label="c2")
+        for i in range(1, 8):  # chat-1 is always queued again before its slot frees
+            h.submit(a, at=0.4 * i - 0.05, session="chat-1", duration=0.4, label=f"c1-{i}")
+    # slot frees at 0.4, 0.8, 1.2, 1.6: chat-2 has waited >= 1 s by the one at 1.6
+    assert other.start == t0 + 1.6
+    assert other.grant is not None and other.grant.erased  # chat-1's KV was erased first
     assert a.bleeds == []
 
 

@@ -658,7 +658,10 @@ def _seq(job: Job | None) -> float:
 class SchedulerPolicy:
     """All scheduling decisions, with no I/O. See the module docstring for the rules.
 
-    ``affinity`` turns session-first ordering within a turn on or off; ``pinning``
+    ``affinity`` turns session-first ordering within a turn on or off; a queued job
+    that has waited ``affinity_max_wait`` seconds goes first regardless (without it,
+    chats that hold slots and come straight back, as agents do, starve a chat that
+    holds none); ``pinning``
     names slot ids (``Grant.slot_id``); ``erase_on_handoff`` marks handoffs for an
     erase (ownership is tracked either way).
     """
@@ -672,6 +675,7 @@ class SchedulerPolicy:
         affinity: bool = True,
         pinning: bool = True,
         erase_on_handoff: bool = True,
+        affinity_max_wait: float = 1.0,
     ) -> None:
         if residency not in RESIDENCIES:
             raise ValueError(f"residency must be 'swap' or 'coexist', not {residency!r}")
@@ -680,6 +684,7 @@ class SchedulerPolicy:
         self.residency: Residency = residency
         self.max_queue = max_queue
         self.affinity = affinity
+        self.affinity_max_wait = affinity_max_wait
         self.pinning = pinning
         self.erase_on_handoff = erase_on_handoff
         self._models: dict[str, _Model] = {}
@@ -1073,7 +1078,7 @@ class SchedulerPolicy:
 
         admitted: list[Job] = []
         while room > 0:
-            job = self._next(turn, holders)
+            job = self._next(turn, holders, now)
             if job is None:
                 break
             slot = None
@@ -1086,8 +1091,14 @@ class SchedulerPolicy:
             room -= 1
         return Admission(tuple(admitted))
 
-    def _next(self, turn: _Turn, holders: Mapping[str, list[int]]) -> Job | None:
-        """Affinity: the earliest job whose session holds a slot, else the FIFO head."""
+    def _next(self, turn: _Turn, holders: Mapping[str, list[int]], now: float) -> Job | None:
+        """Affinity: the earliest job whose session holds a slot, else the FIFO head.
+
+        The FIFO head goes first anyway once it has waited ``affinity_max_wait``.
+        """
+        head = turn.head()
+        if head is not None and now - head.submitted_at >= self.affinity_max_wait:
+            return head
         if self.affinity and holders:
             best: Job | None = None
             for session in holders:
@@ -1096,7 +1107,7 @@ class SchedulerPolicy:
                     best = job
             if best is not None:
                 return best
-        return turn.head()
+        return head
 
     def _start(
         self, model: _Model, job: Job, slot: int | None, generation: int, now: float
