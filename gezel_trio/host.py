@@ -40,7 +40,14 @@ from .engine.supervisor import (
 from .errors import ConfigError, EngineFailed, EngineNotFound, ModelLocked, NoCapacity, UnknownModel
 from .gpu.arbiter import GpuArbiter, resolve_policy
 from .gpu.health import DeviceSafetyPolicy, HealthGate
-from .gpu.ledger import CPU_DEVICE, DeviceLedger, default_capacities, gpu_device_id, open_ledger
+from .gpu.ledger import (
+    CPU_DEVICE,
+    DeviceLedger,
+    default_capacities,
+    denial_message,
+    gpu_device_id,
+    open_ledger,
+)
 from .gpu.probe import NvmlProbe, Probe
 from .lane import ModelRuntime
 from .metrics import Metrics
@@ -337,7 +344,10 @@ def _reservation(
         info = runtime.gguf
         device = host.compute_device()
         budget = host.ledger.capacities.get(device, 0)
-        reserved = await host.ledger.reserved_bytes(device, exclude_owner=model.id)
+        snapshot = await host.ledger.snapshot()
+        usage = snapshot.devices.get(device)
+        others = [h for h in (usage.holders if usage else ()) if h.owner != model.id]
+        reserved = sum(h.nbytes for h in others)
         plan = plan_engine(
             info,
             budget_bytes=budget,
@@ -348,10 +358,15 @@ def _reservation(
         )
         runtime.plan = plan.as_dict()
         if not plan.fits:
-            raise NoCapacity(
-                f"engine for model {model.id!r} does not fit on {device}: "
-                + "; ".join(plan.reasons)
+            who = denial_message(
+                device=device,
+                nbytes=plan.total_bytes,
+                owner=model.id,
+                model=model.id,
+                capacity=budget,
+                holders=others,
             )
+            raise NoCapacity(f"{who}. Plan: " + "; ".join(plan.reasons))
         async with host.ledger.reservation(
             device, plan.total_bytes, owner=model.id, model=model.id
         ):

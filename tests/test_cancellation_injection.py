@@ -458,12 +458,6 @@ async def test_cancel_at_every_step_of_a_queued_job(tmp_path: Path) -> None:
             assert len(results) > 10
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: Engine._run_process sets STOPPED before _run_managed leaves the reservation, "
-    "and stop() returns on STOPPED: a swap then plans the next engine against the evicted "
-    "one's bytes (NoCapacity)",
-)
 async def test_stop_returns_after_the_release(tmp_path: Path) -> None:
     """An evicted engine's bytes are free when its ``stop()`` returns, so a swap on a budget
     that fits one engine at a time never fails for the bytes of the engine it evicted."""

@@ -122,11 +122,19 @@ def test_resolution_order(tmp_path: Path, no_wheel: None) -> None:
     assert resolve_engine(None, env={"PATH": str(bindir)}).found_by == "PATH"
 
 
+def test_a_wrong_configured_binary_is_an_error_not_a_fallback(
+    tmp_path: Path, no_wheel: None
+) -> None:
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    _exe(bindir / "llama-server")
+    with pytest.raises(EngineNotFound, match="the configured llama-server .*missing"):
+        resolve_engine(str(tmp_path / "missing"), env={"PATH": str(bindir)})
+
+
 def test_resolution_error_lists_every_place(tmp_path: Path, no_wheel: None) -> None:
     with pytest.raises(EngineNotFound) as info:
-        resolve_engine(
-            str(tmp_path / "missing"), env={"GEZEL_LLAMA_SERVER": "/nope", "PATH": str(tmp_path)}
-        )
+        resolve_engine(None, env={"GEZEL_LLAMA_SERVER": "/nope", "PATH": str(tmp_path)})
     msg = info.value.message
     for place in (
         "configured path",

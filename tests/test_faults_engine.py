@@ -481,7 +481,6 @@ async def test_missing_binary_is_a_clear_503_and_external_models_serve(
         cfg = make_config(
             [_tiny(tiny_model), ModelConfig(id="fake", url=fake_url, parallel=1)],
             state_dir=state_dir,
-            engine={"binary": missing},
         )
         with trio.fail_after(60):
             async with running(cfg) as (host, client):
@@ -576,11 +575,6 @@ async def test_no_room_in_the_ledger_is_a_clear_503_then_recovers(
                 await wait_nothing_held(host)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: host._reservation's NoCapacity (planner path) says 'reserved by other "
-    "engines' without naming them, and can print a negative amount of free RAM",
-)
 async def test_no_capacity_names_who_holds_the_bytes(
     tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
 ) -> None:

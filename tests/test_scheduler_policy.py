@@ -368,7 +368,7 @@ def test_pins_are_distinct_and_exclude_running_pins() -> None:
     assert [j.slot_id for j in got] == [0]
 
 
-def test_no_honest_pin_without_ids_or_when_the_named_pool_is_exhausted() -> None:
+def test_no_pin_without_ids_and_no_admission_beyond_the_named_pool() -> None:
     d = Driver("a", parallel=3)
     d.measure = lambda model: SlotMeasurement(idle=2)  # a count, no per-slot rows
     first = [d.submit("a"), d.submit("a")]
@@ -378,9 +378,11 @@ def test_no_honest_pin_without_ids_or_when_the_named_pool_is_exhausted() -> None
         d.settle(job)
     d.measure = lambda model: SlotMeasurement(idle=2, ids=(2,))  # names fewer than it counts
     second = [d.submit("a"), d.submit("a")]
-    assert d.step() == second
-    assert [j.slot_id for j in second] == [2, None]
-    assert d.policy.unpinned_admissions == 3
+    # Only as many jobs as there are nameable slots: an unpinned job would land on
+    # whatever slot the engine picks, possibly one holding another chat's KV.
+    assert d.step() == second[:1]
+    assert second[0].slot_id == 2 and second[1].slot_id is None
+    assert d.policy.unpinned_admissions == 2
 
 
 def test_unpinned_job_taints_the_owner_map() -> None:

@@ -98,7 +98,13 @@ def resolve_engine(
         p = Path(explicit).expanduser()
         if _usable(p):
             return EngineBinary(p.resolve(), "config")
-        tried.append(f"configured path {str(p)!r}: not an executable file")
+        # An explicit choice that is wrong is an error, not a reason to run another binary.
+        raise EngineNotFound(
+            f"the configured llama-server {str(p)!r} is not an executable file. "
+            "Fix [engine] binary (or --engine-binary), or remove it to use "
+            f"${ENV_VAR}, PATH, the engine extra or a build-engine build.",
+            detail=[f"configured path {str(p)!r}: not an executable file"],
+        )
     else:
         tried.append("configured path ([engine] binary or --engine-binary): not set")
 

@@ -264,7 +264,7 @@ def plan_engine(
     cache_type_row_bytes(cache_type, 1)  # validates the cache type
     reasons: list[str] = []
     n_layer = info.block_count
-    available = budget_bytes - already_reserved_bytes
+    available = max(0, budget_bytes - already_reserved_bytes)
     where = "GPU" if gpu else "RAM"
     budget_line = f"{_fmt(available)} of {where} available"
     if already_reserved_bytes:

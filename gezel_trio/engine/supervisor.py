@@ -183,6 +183,8 @@ class Engine:
         self._stop_requested = trio.Event()
         self._stopping_on_purpose = False
         self._wake_monitor = trio.Event()
+        self._holding: AsyncValue[bool] = AsyncValue(False)
+        """True from the reservation's entry until it has exited."""
 
     def __repr__(self) -> str:
         where = self.base_url or "-"
@@ -216,16 +218,18 @@ class Engine:
         Cancelling the caller abandons the wait; the stop itself goes on.
         """
         idle = self._current is None or self._current.done.is_set()
-        if idle and self.state.value not in (EngineState.READY, EngineState.STARTING):
-            return
-        self._stop_requested.set()
-        self._wake_monitor.set()
-        await self.state.wait_value(
-            lambda s: (
-                s in (EngineState.STOPPED, EngineState.FAILED)
-                and (self._current is None or self._current.done.is_set())
+        if not idle or self.state.value in (EngineState.READY, EngineState.STARTING):
+            self._stop_requested.set()
+            self._wake_monitor.set()
+            await self.state.wait_value(
+                lambda s: (
+                    s in (EngineState.STOPPED, EngineState.FAILED)
+                    and (self._current is None or self._current.done.is_set())
+                )
             )
-        )
+        # Return only once the process's reservation is released too: an evictor
+        # calls stop() so that another engine can have those bytes.
+        await self._holding.wait_value(False)
 
     @contextlib.contextmanager
     def in_use(self) -> Iterator[None]:
@@ -337,6 +341,7 @@ class Engine:
             attempt.finish(EngineFailed(f"engine for model {self.model_id!r} was stopped"))
             return
         self._set(EngineState.STARTING)
+        self._holding.value = True
         try:
             async with self._reserve():
                 await self._run_process(attempt)
@@ -348,6 +353,8 @@ class Engine:
             attempt.finish(exc)
         finally:
             self.pid = None
+            # The reservation block has exited: the bytes are free for whoever evicted us.
+            self._holding.value = False
 
     async def _run_process(self, attempt: _Attempt) -> None:
         assert self._argv_builder is not None
@@ -535,8 +542,9 @@ class Engine:
                 with contextlib.suppress(OSError):
                     proc.kill()
                 await proc.wait()
-        with trio.move_on_after(1):
-            await exited.wait()
+        if not exited.is_set() and proc.returncode is None:
+            with trio.move_on_after(1):
+                await exited.wait()
 
     async def _run_external(self, attempt: _Attempt) -> None:
         """An engine we do not own: READY while ``/health`` answers 200, FAILED otherwise."""

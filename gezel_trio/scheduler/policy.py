@@ -1071,6 +1071,13 @@ class SchedulerPolicy:
         if room <= 0:
             return Admission(poll=model.running == 0)
         free = free_slot_ids(measured, model.pins) if self.pinning else None
+        if free is not None:
+            # Slots we pinned may still look idle to the engine: never admit more jobs
+            # than ids we can honestly name, or the rest would run unpinned on slots
+            # that hold another chat's KV.
+            room = min(room, len(free))
+            if room <= 0:
+                return Admission(poll=model.running == 0)
         holders = owners.holders() if (self.affinity or free) else {}
 
         def wanted(session: str) -> bool:
