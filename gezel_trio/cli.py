@@ -28,7 +28,7 @@ def embedded_default(config: Config) -> Config:
 
 def _serve(args: argparse.Namespace) -> int:
     from .logging_setup import setup_logging
-    from .server import serve_host, wait_for_signal
+    from .server import serve_until_signalled
 
     config = load_config(args.config)
     if args.host is not None:
@@ -45,7 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
     validate(config)
     embedded_default(config)
     setup_logging(config.server.log_level)
-    trio.run(lambda: serve_host(config, shutdown_trigger=wait_for_signal))
+    trio.run(serve_until_signalled, config)
     return 0
 
 

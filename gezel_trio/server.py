@@ -95,9 +95,29 @@ async def serve_host(
         await done.wait()
 
 
-async def wait_for_signal() -> None:
-    """Return on the first SIGINT or SIGTERM (a graceful shutdown trigger)."""
+async def serve_until_signalled(config: Config) -> None:
+    """Serve until SIGINT or SIGTERM, then shut down gracefully.
+
+    The signal handlers stay installed for the whole shutdown: a second
+    Ctrl-C while engines are stopping is logged and absorbed instead of
+    killing the host halfway and orphaning llama-server processes.
+    """
+    shutdown = trio.Event()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            log.info("shutting down", extra={"fields": {"signal": signal.Signals(signum).name}})
-            return
+
+        async def watch() -> None:
+            async for signum in signals:
+                name = signal.Signals(signum).name
+                if not shutdown.is_set():
+                    log.info("shutting down", extra={"fields": {"signal": name}})
+                    shutdown.set()
+                else:
+                    log.warning(
+                        "already shutting down: waiting for the engines to stop",
+                        extra={"fields": {"signal": name}},
+                    )
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            await serve_host(config, shutdown_trigger=shutdown.wait)
+            nursery.cancel_scope.cancel()
