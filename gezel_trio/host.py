@@ -484,6 +484,7 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
                     timing=_timing(config, model),
                     log_lines=config.engine.log_lines,
                     reserve=no_reservation if model.external else _reservation(host, runtime),
+                    pid_file=None if model.external else state_dir / "engines" / f"{model.id}.json",
                 )
             )
             if not model.external:

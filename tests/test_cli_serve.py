@@ -77,3 +77,57 @@ def test_serve_embedded_default_then_repeated_signals_leave_no_engine(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_an_engine_orphaned_by_a_killed_host_is_reaped_by_the_next_one(
+    tmp_path: Path, engine_binary: EngineBinary
+) -> None:
+    """SIGKILL gives the host no chance to stop its engine; the next host on the same
+    state dir finds the engine's pid file, sees its host is gone, and kills it."""
+    env = dict(
+        os.environ,
+        XDG_CACHE_HOME=str(tmp_path / "cache"),
+        XDG_STATE_HOME=str(tmp_path / "state"),
+        GEZEL_LLAMA_SERVER=str(engine_binary.path),
+    )
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        port = free_port()
+        first = subprocess.Popen(
+            [sys.executable, "-m", "gezel_trio.cli", "serve", "--port", str(port)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        procs.append(first)
+        base = f"http://127.0.0.1:{port}"
+        _wait_health(base, first)
+        body = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        assert httpx.post(base + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+        (engine,) = httpx.get(base + "/api/status", timeout=5).json()["engines"]
+        orphan = engine["pid"]
+        first.kill()
+        first.wait()
+        assert pids_alive([orphan]) == [orphan]  # nobody stopped it
+
+        port2 = free_port()
+        second = subprocess.Popen(
+            [sys.executable, "-m", "gezel_trio.cli", "serve", "--port", str(port2)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        procs.append(second)
+        _wait_health(f"http://127.0.0.1:{port2}", second)
+        deadline = time.monotonic() + 5
+        while pids_alive([orphan]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pids_alive([orphan]) == []
+        second.send_signal(signal.SIGINT)
+        _, err = second.communicate(timeout=30)
+        assert b"orphaned by a host that died" in err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

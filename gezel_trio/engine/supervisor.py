@@ -40,6 +40,7 @@ from trio_util import AsyncValue
 
 from ..errors import EngineCrashed, EngineFailed, GezelError
 from .logs import LogRing
+from .pidfile import reap_orphan, remove_pidfile, write_pidfile
 
 
 class EngineState(enum.Enum):
@@ -142,6 +143,7 @@ class Engine:
         launcher: Launcher,
         reserve: ReservationFactory,
         log_lines: int,
+        pid_file: Path | None = None,
     ) -> None:
         if (argv_builder is None) == (url is None):
             raise ValueError("an engine is either spawned (argv_builder) or external (url)")
@@ -154,6 +156,7 @@ class Engine:
         self.timing = timing
         self._launcher = launcher
         self._reserve = reserve
+        self._pid_file = pid_file
         self.log = LogRing(log_lines)
         self.state: AsyncValue[EngineState] = AsyncValue(EngineState.STOPPED)
         self.failure: str | None = None
@@ -285,6 +288,8 @@ class Engine:
     async def _serve(
         self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
+        if self._pid_file is not None and self._pid_file.exists():
+            await trio.to_thread.run_sync(reap_orphan, self._pid_file)
         task_status.started()
         while True:
             await self._start_requested.wait()
@@ -380,6 +385,8 @@ class Engine:
             return
         self.starts += 1
         self.pid = proc.pid
+        if self._pid_file is not None:
+            write_pidfile(self._pid_file, proc.pid)
         self.port = port
         self.parallel = parallel
         self.base_url = f"http://127.0.0.1:{port}"
@@ -430,6 +437,8 @@ class Engine:
     async def _watch_exit(self, proc: ProcessHandle, exited: trio.Event) -> None:
         code = await proc.wait()
         exited.set()
+        if self._pid_file is not None:
+            remove_pidfile(self._pid_file)
         self.log.append(f"[gezel] process {proc.pid} exited with code {code}")
         if self._stopping_on_purpose:
             return
@@ -612,6 +621,7 @@ async def open_engine(
     launcher: Launcher = spawn_process,
     reserve: ReservationFactory = no_reservation,
     log_lines: int = 400,
+    pid_file: Path | None = None,
 ) -> AsyncIterator[Engine]:
     """Supervise one engine for the duration of the block.
 
@@ -629,6 +639,7 @@ async def open_engine(
         launcher=launcher,
         reserve=reserve,
         log_lines=log_lines,
+        pid_file=pid_file,
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(engine._serve)
