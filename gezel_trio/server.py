@@ -14,6 +14,7 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from .api.app import create_app
 from .config import Config
+from .gpu.probe import Probe
 from .host import Host, open_host
 
 log = logging.getLogger("gezel_trio.server")
@@ -46,7 +47,10 @@ def exposure_warning(config: Config) -> str | None:
 
 @asynccontextmanager
 async def open_server(
-    config: Config, *, shutdown_trigger: Callable[[], Awaitable[None]] | None = None
+    config: Config,
+    *,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    probe: Probe | None = None,
 ) -> AsyncIterator[tuple[Host, list[str]]]:
     """Open the host and serve it over HTTP for the duration of the block.
 
@@ -56,7 +60,7 @@ async def open_server(
     warning = exposure_warning(config)
     if warning:
         log.warning(warning)
-    async with open_host(config) as host, trio.open_nursery() as nursery:
+    async with open_host(config, probe=probe) as host, trio.open_nursery() as nursery:
         app = create_app(host)
         binds: list[str] = await nursery.start(
             partial(

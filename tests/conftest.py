@@ -19,6 +19,7 @@ from gezel_trio.config import Config, ModelConfig, validate
 from gezel_trio.engine.binary import EngineBinary, resolve_engine
 from gezel_trio.engine.demo_model import write_demo_model
 from gezel_trio.errors import EngineNotFound
+from gezel_trio.gpu.probe import Probe
 from gezel_trio.host import Host
 from gezel_trio.server import open_server
 
@@ -82,10 +83,12 @@ def make_config(
 
 
 @asynccontextmanager
-async def running(cfg: Config) -> AsyncIterator[tuple[Host, httpx.AsyncClient]]:
+async def running(
+    cfg: Config, *, probe: Probe | None = None
+) -> AsyncIterator[tuple[Host, httpx.AsyncClient]]:
     """A real host on a real hypercorn socket, with an httpx client pointed at it."""
     async with (
-        open_server(cfg) as (host, binds),
+        open_server(cfg, probe=probe) as (host, binds),
         httpx.AsyncClient(base_url=binds[0], timeout=httpx.Timeout(60.0)) as client,
     ):
         yield host, client
