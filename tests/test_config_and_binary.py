@@ -128,7 +128,7 @@ def test_a_wrong_configured_binary_is_an_error_not_a_fallback(
     bindir = tmp_path / "bin"
     bindir.mkdir()
     _exe(bindir / "llama-server")
-    with pytest.raises(EngineNotFound, match="the configured llama-server .*missing"):
+    with pytest.raises(EngineNotFound, match=r"the configured llama-server .*missing"):
         resolve_engine(str(tmp_path / "missing"), env={"PATH": str(bindir)})
 
 
