@@ -130,7 +130,6 @@ async def relay_stream(
     *,
     read_timeout: float | None,
     crashed: ErrorFactory = _default_crashed,
-    on_first_byte: Callable[[], None] | None = None,
 ) -> UpstreamHead:
     """POST ``body`` with streaming on and push the head, then each chunk, into ``send``.
 
@@ -150,12 +149,8 @@ async def relay_stream(
     try:
         head = _head(resp)
         await send.send(head)
-        first = True
         try:
             async for chunk in resp.aiter_raw():
-                if first and on_first_byte is not None:
-                    on_first_byte()
-                first = False
                 await send.send(chunk)
         except httpx.HTTPError as exc:
             raise _translate(exc, crashed, read_timeout) from exc

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
-from typing import Any
 
 import trio
 from quart import Response, request
@@ -157,7 +156,3 @@ def create_app(host: Host) -> QuartTrio:
         metrics = Metrics(status=host.status)
     install_metrics(app, metrics)
     return app
-
-
-def app_status(host: Host) -> dict[str, Any]:
-    return host.status()

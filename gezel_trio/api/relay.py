@@ -10,7 +10,6 @@ fails mid-stream produces one SSE ``error`` event, then the end of the stream.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -106,10 +105,7 @@ async def _stream(
 ) -> Response:
     send, recv = trio.open_memory_channel[UpstreamHead | bytes](32)
     scope = trio.CancelScope()
-    outcome: dict[str, Any] = {"error": None, "grant": None, "first_byte": None}
-
-    def first_byte() -> None:
-        outcome["first_byte"] = time.perf_counter()
+    outcome: dict[str, Any] = {"error": None, "grant": None}
 
     async def job(grant: Grant) -> None:
         outcome["grant"] = grant
@@ -121,11 +117,9 @@ async def _stream(
             send,
             read_timeout=_read_timeout(host),
             crashed=runtime.engine.crash_error,
-            on_first_byte=first_byte,
         )
 
     async def runner() -> None:
-        head_sent = False
         async with send:
             with scope:
                 try:
@@ -135,8 +129,9 @@ async def _stream(
                 except Exception as exc:  # a bug: never leave the client hanging
                     log.exception("stream job failed")
                     outcome["error"] = EngineCrashed(f"internal error while relaying: {exc!r}")
-                head_sent = outcome["first_byte"] is not None or outcome["grant"] is not None
-                if outcome["error"] is not None and head_sent:
+                # Once granted, the head may already be in the channel: end with an
+                # error event (the handler also reads one that arrives before any head).
+                if outcome["error"] is not None and outcome["grant"] is not None:
                     with trio.move_on_after(1, shield=True):
                         try:
                             await send.send(sse_error_event(outcome["error"]))
