@@ -392,13 +392,16 @@ class Engine:
         self.base_url = f"http://127.0.0.1:{port}"
         self._stopping_on_purpose = False
         exited = trio.Event()
+        log_done = trio.Event()
         try:
             async with trio.open_nursery() as nursery:
                 if proc.stdout is not None:
-                    nursery.start_soon(self.log.pump, proc.stdout)
+                    nursery.start_soon(self._pump_log, proc.stdout, log_done)
+                else:
+                    log_done.set()
                 nursery.start_soon(self._watch_exit, proc, exited)
                 try:
-                    await self._wait_healthy(proc, exited)
+                    await self._wait_healthy(proc, exited, log_done)
                 except EngineFailed as exc:
                     self._record_failure(exc.message)
                     attempt.finish(exc)
@@ -448,7 +451,15 @@ class Engine:
             )
             self._wake_monitor.set()
 
-    async def _wait_healthy(self, proc: ProcessHandle, exited: trio.Event) -> None:
+    async def _pump_log(self, stream: trio.abc.ReceiveStream, done: trio.Event) -> None:
+        try:
+            await self.log.pump(stream)
+        finally:
+            done.set()
+
+    async def _wait_healthy(
+        self, proc: ProcessHandle, exited: trio.Event, log_done: trio.Event
+    ) -> None:
         """Poll ``/health`` until 200, the process exits, a stop is requested or time runs out."""
         assert self.base_url is not None
         url = f"{self.base_url}/health"
@@ -456,6 +467,9 @@ class Engine:
         with trio.move_on_after(self.timing.load_timeout) as scope:
             while True:
                 if exited.is_set():
+                    # Its last words (why it exited) may still be in the pipe.
+                    with trio.move_on_after(2):
+                        await log_done.wait()
                     code = proc.returncode
                     raise EngineFailed(
                         f"engine for model {self.model_id!r} exited during start "
