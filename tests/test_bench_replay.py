@@ -776,3 +776,38 @@ async def test_smoke_replay_against_a_real_llama_server(tmp_path: Path, tiny_mod
     # /completion streams the output ids: the self-reuse bound is exact there
     assert all(r.output_ids is not None and len(r.output_ids) == 4 for r in results[0].records)
     assert all(r.output_ids is None for r in results[1].records)
+
+
+@pytest.mark.parametrize("api", ["llama", "openai"])
+async def test_smoke_replay_through_gezel(
+    api: str, tiny_model: Path, state_dir: Path, engine_binary: Any
+) -> None:
+    """The CI smoke replay through the host itself: a few sessions on the tiny model,
+    more sessions than slots. Invariants, not timings: no failures, counts add up,
+    the engine's prompt counts match the synthesis, no cross-session reuse; the
+    vocabulary comes from the host's own /v1/models (no --vocab-hi)."""
+    from gezel_trio.config import ModelConfig
+
+    from .conftest import make_config, running
+
+    cfg = make_config(
+        [ModelConfig(id="tiny", path=str(tiny_model), parallel=2, ctx_per_slot=512)],
+        state_dir=state_dir,
+        engine_binary=engine_binary,
+    )
+    trace = _chat_trace(sessions=4, turns=3, block=2, out=4)
+    with trio.fail_after(120):
+        async with running(cfg) as (host, _client):
+            config = ReplayConfig(
+                base_url=host.urls[0],
+                api=api,  # type: ignore[arg-type]
+                model="tiny",
+                mode="closed",
+                time_scale=0.001,
+                seed=11,
+            )
+            result = await run_replay(trace, config, progress_stream=None)
+    m = _check_invariants(trace, result, None, api)
+    assert m["cross_session_reuse"] == 0
+    assert result.config["vocab_hi"] == 676  # n_vocab from the host's /v1/models
+    assert m["cache_hit_ratio"] > 0  # sessions reuse their own prefixes through the host

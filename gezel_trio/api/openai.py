@@ -134,6 +134,14 @@ async def list_models() -> Response:
                 "state": rt.engine.state.value.value,
                 "parallel": rt.engine.parallel or rt.config.parallel,
                 "ctx_per_slot": rt.config.ctx_per_slot,
+                # llama-server's own /v1/models carries these; clients (and the bench
+                # harness) read the vocabulary and context from here.
+                "meta": {
+                    "n_vocab": rt.vocab_size,
+                    "n_ctx": rt.config.ctx_per_slot,
+                    "n_ctx_train": rt.gguf.context_length if rt.gguf else None,
+                    "architecture": rt.gguf.architecture if rt.gguf else None,
+                },
             }
         )
     return json_response({"object": "list", "data": data})
