@@ -26,6 +26,7 @@ from .engine.supervisor import Engine
 from .errors import EngineFailed, FieldError
 from .gpu.arbiter import GpuArbiter
 from .metrics import Metrics
+from .proxy import engine_request
 from .scheduler.policy import SlotMeasurement
 from .sessions import session_hash
 
@@ -126,7 +127,7 @@ class ModelRuntime:
         if base is None:
             return None
         try:
-            resp = await self.http.get(f"{base}/slots", timeout=2.0)
+            resp = await engine_request(self.http, "GET", f"{base}/slots", timeout=2.0)
         except httpx.HTTPError:
             return None
         if resp.status_code != 200:
@@ -153,8 +154,12 @@ class ModelRuntime:
         if base is None:
             raise EngineFailed(f"engine for model {self.id!r} is not running")
         try:
-            resp = await self.http.post(
-                f"{base}/slots/{slot_id}", params={"action": "erase"}, timeout=5.0
+            resp = await engine_request(
+                self.http,
+                "POST",
+                f"{base}/slots/{slot_id}",
+                params={"action": "erase"},
+                timeout=5.0,
             )
         except httpx.HTTPError:
             if self.metrics is not None:
@@ -190,7 +195,9 @@ class ModelRuntime:
             raise EngineFailed(f"engine for model {self.id!r} is not running")
         self._sync_parking()
         name = self._park_file(session)
-        resp = await self.http.post(
+        resp = await engine_request(
+            self.http,
+            "POST",
             f"{base}/slots/{slot_id}",
             params={"action": "save"},
             json={"filename": name},
@@ -230,7 +237,9 @@ class ModelRuntime:
         if base is None or not self.is_parked(session):
             return False
         name = self._parked[session]
-        resp = await self.http.post(
+        resp = await engine_request(
+            self.http,
+            "POST",
             f"{base}/slots/{slot_id}",
             params={"action": "restore"},
             json={"filename": name},

@@ -76,8 +76,26 @@ def _head(resp: httpx.Response) -> UpstreamHead:
     return UpstreamHead(resp.status_code, headers)
 
 
-def _is_stale_connection(exc: httpx.HTTPError) -> bool:
+def is_stale_connection(exc: httpx.HTTPError) -> bool:
+    """llama-server closed a pooled keep-alive connection before reading the request."""
     return isinstance(exc, httpx.RemoteProtocolError) and "without sending a response" in str(exc)
+
+
+async def engine_request(
+    http: httpx.AsyncClient, method: str, url: str, **kwargs: Any
+) -> httpx.Response:
+    """One request to an engine, retried once if the pooled connection was stale.
+
+    llama-server closes keep-alive connections on its own schedule; no byte of
+    a request that meets a closed connection was processed, so that one case
+    is safe to retry. Every other error propagates.
+    """
+    try:
+        return await http.request(method, url, **kwargs)
+    except httpx.HTTPError as exc:
+        if not is_stale_connection(exc):
+            raise
+    return await http.request(method, url, **kwargs)
 
 
 def _translate(exc: httpx.HTTPError, crashed: ErrorFactory, timeout_s: float | None) -> GezelError:
@@ -116,7 +134,7 @@ async def forward(
             )
             return UpstreamResult(_head(resp), resp.content)
         except httpx.HTTPError as exc:
-            if attempt == 1 and _is_stale_connection(exc):
+            if attempt == 1 and is_stale_connection(exc):
                 continue
             raise _translate(exc, crashed, read_timeout) from exc
     raise AssertionError("unreachable")  # pragma: no cover
@@ -142,7 +160,7 @@ async def relay_stream(
         try:
             resp = await http.send(request, stream=True)
         except httpx.HTTPError as exc:
-            if attempt == 1 and _is_stale_connection(exc):
+            if attempt == 1 and is_stale_connection(exc):
                 continue
             raise _translate(exc, crashed, read_timeout) from exc
         break

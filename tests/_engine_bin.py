@@ -19,6 +19,10 @@ import trio
 from gezel_trio.engine.binary import resolve_engine
 from gezel_trio.engine.supervisor import free_port
 
+# llama-server closes keep-alive connections on its own schedule; a direct client
+# that reuses one can meet "server disconnected without sending a response".
+ENGINE_LIMITS = httpx.Limits(max_keepalive_connections=0)
+
 
 def llama_server_command() -> tuple[Path, dict[str, str]]:
     """The llama-server binary the host would use, and the environment to exec it with."""
@@ -99,7 +103,7 @@ async def open_llama_server(
 
 
 async def _wait_healthy(server: LlamaServer) -> None:
-    async with httpx.AsyncClient(timeout=2.0) as client:
+    async with httpx.AsyncClient(limits=ENGINE_LIMITS, timeout=2.0) as client:
         while True:
             if server.returncode is not None:
                 raise RuntimeError(

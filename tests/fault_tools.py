@@ -17,6 +17,8 @@ import trio
 from gezel_trio.config import Config
 from gezel_trio.host import Host
 
+from ._engine_bin import ENGINE_LIMITS
+
 T = TypeVar("T")
 
 __all__ = [
@@ -108,7 +110,7 @@ async def wait_nothing_held(host: Host, *, within: float = 5.0) -> None:
 
 async def slots_busy(base_url: str) -> list[int]:
     """Ids of the engine's slots that report ``is_processing`` (direct ``GET /slots``)."""
-    async with httpx.AsyncClient(timeout=2.0) as direct:
+    async with httpx.AsyncClient(limits=ENGINE_LIMITS, timeout=2.0) as direct:
         rows = (await direct.get(base_url + "/slots")).json()
     return [int(r["id"]) for r in rows if r.get("is_processing")]
 

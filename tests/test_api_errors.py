@@ -12,6 +12,7 @@ import trio
 from gezel_trio.config import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 
+from ._engine_bin import ENGINE_LIMITS
 from .conftest import make_config, running
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
@@ -161,7 +162,7 @@ async def test_error_contract(
                 "model": "tiny",
                 "messages": [{"role": "user", "content": LONG_PROMPT}],
             }
-            async with httpx.AsyncClient(base_url=engine.base_url) as direct:
+            async with httpx.AsyncClient(limits=ENGINE_LIMITS, base_url=engine.base_url) as direct:
                 want = await direct.post("/v1/chat/completions", json=long_chat)
                 want_native = await direct.post(
                     "/completion", json={"prompt": LONG_PROMPT, "n_predict": 2}

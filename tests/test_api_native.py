@@ -14,6 +14,7 @@ from gezel_trio.api.native import PRIVATE_SLOT_FIELDS
 from gezel_trio.config import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 
+from ._engine_bin import ENGINE_LIMITS
 from .conftest import make_config, running
 
 
@@ -55,7 +56,7 @@ async def test_native_passthrough(
             assert engine.base_url is not None
 
             # the engine's own answers pass through untouched
-            async with httpx.AsyncClient(base_url=engine.base_url) as direct:
+            async with httpx.AsyncClient(limits=ENGINE_LIMITS, base_url=engine.base_url) as direct:
                 tok_body = {"content": "hello world", "with_pieces": False}
                 direct_tok = (await direct.post("/tokenize", json=tok_body)).json()
                 via_field = await client.post("/tokenize", json={**tok_body, "model": "tiny"})
@@ -86,7 +87,7 @@ async def test_native_passthrough(
                 ] == direct_props["model_path"]
 
             # /slots: read-only, one entry per slot, no conversation text
-            async with httpx.AsyncClient(base_url=engine.base_url) as direct:
+            async with httpx.AsyncClient(limits=ENGINE_LIMITS, base_url=engine.base_url) as direct:
                 raw = (await direct.get("/slots")).json()
             assert any("prompt" in s for s in raw)  # the engine does show it
             slots = await client.get("/upstream/tiny/slots")

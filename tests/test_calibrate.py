@@ -19,7 +19,7 @@ from gezel_trio.engine.calibrate import (
 )
 from gezel_trio.engine.demo_model import write_demo_model
 
-from ._engine_bin import open_llama_server
+from ._engine_bin import ENGINE_LIMITS, open_llama_server
 
 # ---------------------------------------------------------------- the verdict (pure)
 
@@ -297,7 +297,7 @@ async def test_calibration_passes_for_llama_on_the_real_engine(
     with trio.fail_after(30):
         async with (
             open_llama_server(tiny_models["llama"], parallel=4, ctx=4 * 512) as server,
-            httpx.AsyncClient(timeout=20) as client,
+            httpx.AsyncClient(limits=ENGINE_LIMITS, timeout=20) as client,
         ):
             result = await probe_cobatch(
                 client,
@@ -325,7 +325,7 @@ async def test_recurrent_models_run_and_the_probe_is_bounded(
     with trio.fail_after(30):
         async with (
             open_llama_server(tiny_models[arch], parallel=4, ctx=4 * 512) as server,
-            httpx.AsyncClient(timeout=20) as client,
+            httpx.AsyncClient(limits=ENGINE_LIMITS, timeout=20) as client,
         ):
             result = await probe_cobatch(
                 client,

@@ -20,7 +20,7 @@ from gezel_trio.engine.demo_model import (
     write_demo_model,
 )
 
-from ._engine_bin import open_llama_server
+from ._engine_bin import ENGINE_LIMITS, open_llama_server
 
 
 def _sha(path: Path) -> str:
@@ -174,7 +174,7 @@ async def test_tiny_model_chats_through_real_llama_server(tiny: Path) -> None:
     with trio.fail_after(60):
         async with (
             open_llama_server(tiny, parallel=2, ctx=1024) as server,
-            httpx.AsyncClient(base_url=server.base_url, timeout=30) as client,
+            httpx.AsyncClient(limits=ENGINE_LIMITS, base_url=server.base_url, timeout=30) as client,
         ):
             for seed in range(6):
                 r = await client.post(

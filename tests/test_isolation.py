@@ -38,6 +38,7 @@ from gezel_trio.config import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.supervisor import free_port
 
+from ._engine_bin import ENGINE_LIMITS
 from .conftest import make_config, running
 from .fault_tools import wait_nothing_held, wait_until
 
@@ -150,7 +151,7 @@ async def open_llama_server(
         async def healthy() -> bool:
             assert proc.returncode is None, f"llama-server exited with {proc.returncode}"
             try:
-                async with httpx.AsyncClient(timeout=2) as c:
+                async with httpx.AsyncClient(limits=ENGINE_LIMITS, timeout=2) as c:
                     return (await c.get(url + "/health")).status_code == 200
             except httpx.TransportError:
                 return False
@@ -227,7 +228,7 @@ async def test_no_conversation_sees_another_ones_state(
             sched = host.scheduler.statistics()
         async with (
             open_llama_server(engine_binary, tiny_model, parallel=2, ctx=2 * CTX_PER_SLOT) as url,
-            httpx.AsyncClient(base_url=url, timeout=60) as direct_client,
+            httpx.AsyncClient(limits=ENGINE_LIMITS, base_url=url, timeout=60) as direct_client,
         ):
             direct = await run_conversations(direct_client, work, "/completion", keyed=False)
     print(

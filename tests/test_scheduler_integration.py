@@ -14,6 +14,7 @@ from gezel_trio.config import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.host import Host
 
+from ._engine_bin import ENGINE_LIMITS
 from .conftest import make_config, running
 
 # Distinct token-id prompts (no shared prefix beyond BOS) so "cached" can only
@@ -120,7 +121,10 @@ async def test_two_sessions_hold_their_own_slots_at_once(
                 body = {**_completion(prompt, session, 800), "ignore_eos": True}
                 await client.post("/completion", json=body)
 
-            async with trio.open_nursery() as nursery, httpx.AsyncClient() as direct:
+            async with (
+                trio.open_nursery() as nursery,
+                httpx.AsyncClient(limits=ENGINE_LIMITS) as direct,
+            ):
                 nursery.start_soon(long, A_PROMPT, "A")
                 nursery.start_soon(long, B_PROMPT, "B")
                 with trio.move_on_after(30):

@@ -15,6 +15,7 @@ from gezel_trio.config import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.supervisor import EngineState
 
+from ._engine_bin import ENGINE_LIMITS
 from .conftest import make_config, pids_alive, running
 
 CHAT = {
@@ -160,7 +161,7 @@ async def test_client_disconnect_stops_generation(
             # the client is gone: the engine's slots go idle within a second
             assert engine.base_url is not None
             deadline = trio.current_time() + 1.0
-            async with httpx.AsyncClient() as direct:
+            async with httpx.AsyncClient(limits=ENGINE_LIMITS) as direct:
                 while True:
                     slots = (await direct.get(engine.base_url + "/slots")).json()
                     if not any(s["is_processing"] for s in slots):

@@ -24,6 +24,8 @@ from typing import Any, Literal
 import httpx
 import trio
 
+from ..proxy import engine_request
+
 __all__ = [
     "NEAR_TIE_MARGIN",
     "CalibrationResult",
@@ -126,7 +128,9 @@ def _margins(body: dict[str, Any]) -> tuple[float | None, ...]:
 async def _complete(
     client: httpx.AsyncClient, url: str, prompt: list[int], *, n_predict: int, seed: int
 ) -> _Answer:
-    r = await client.post(
+    r = await engine_request(
+        client,
+        "POST",
         url,
         json={
             "prompt": prompt,
@@ -153,7 +157,9 @@ async def _complete(
 
 async def _prompt_pool(client: httpx.AsyncClient, base: str) -> list[int]:
     """Token ids the model surely has: the probe text tokenized by the engine itself."""
-    r = await client.post(base + "/tokenize", json={"content": _PROBE_TEXT, "add_special": False})
+    r = await engine_request(
+        client, "POST", base + "/tokenize", json={"content": _PROBE_TEXT, "add_special": False}
+    )
     if r.status_code != 200:
         raise _EngineError(f"/tokenize answered {r.status_code}")
     ids = sorted({int(t) for t in r.json().get("tokens", ())})
