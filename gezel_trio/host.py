@@ -30,6 +30,7 @@ from .engine.argv import build_argv
 from .engine.binary import BuildFacts, EngineBinary, read_build_facts, resolve_engine
 from .engine.gguf_meta import GGUFError, read_gguf_info
 from .engine.planner import plan_engine
+from .engine.speed import measure_speed
 from .engine.supervisor import (
     EngineState,
     SupervisorTiming,
@@ -206,6 +207,30 @@ class Host:
         """Run the co-batch calibration now (an exclusive operation); returns its result."""
         result = await calibrate(self, runtime)
         return result.to_dict()
+
+    async def benchmark(
+        self, runtime: ModelRuntime, *, prompt_tokens: int = 256, n_predict: int = 32
+    ) -> dict[str, Any]:
+        """Measure prefill and decode speed as the scheduler's exclusive ``benchmark`` op.
+
+        The engine is drained first and nothing else is admitted while it runs.
+        """
+
+        async def job(_grant: Grant) -> dict[str, Any]:
+            engine = runtime.engine
+            await engine.ensure_ready()
+            assert engine.base_url is not None
+            return await measure_speed(
+                self.http,
+                engine.base_url,
+                vocab_size=runtime.vocab_size,
+                prompt_tokens=prompt_tokens,
+                n_predict=n_predict,
+            )
+
+        result = await self.run_job(runtime, job, kind="benchmark")
+        runtime.last_benchmark = result
+        return result
 
     # -------------------------------------------------------------- live configuration
 

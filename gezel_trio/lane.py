@@ -57,6 +57,7 @@ class ModelRuntime:
     _parked_generation: int = -1
     metrics: Metrics | None = None
     gguf: GGUFInfo | None = None
+    last_benchmark: dict[str, Any] | None = None
     """The model file's metadata, read once when the host opens (None: external or unreadable)."""
     _crashes_seen: int = 0
 
@@ -265,6 +266,7 @@ class ModelRuntime:
                 "ceiling_reason": self.ceiling_reason,
                 "plan": self.plan,
                 "calibration": self.calibration.as_dict(),
+                "benchmark": self.last_benchmark,
                 "kv_parking": {**self.parking_stats, "parked": len(self._parked)},
             }
         )

@@ -448,3 +448,29 @@ def test_invalid_requests() -> None:
         plan_engine(synthetic(), budget_bytes=GIB, requested_ctx_per_slot=0, gpu=False)
     with pytest.raises(ConfigError):
         plan_engine(synthetic(), budget_bytes=GIB, gpu=False, cache_type="q2_k")
+
+
+def test_plans_for_the_demo_models_match_hand_arithmetic(tmp_path: Path) -> None:
+    """The generated demo models: weights are the file's tensor bytes, and the KV cache is
+    2 (K and V) x layers x kv heads x head dim x 2 bytes (f16) per token and slot."""
+    from gezel_trio.engine.demo_model import write_demo_model
+
+    for size in ("tiny", "small"):
+        path = write_demo_model(tmp_path / f"{size}.gguf", size=size)
+        info = read_gguf_info(path)
+        head_dim = info.embedding_length // info.head_count
+        n_kv = info.head_count_kv[0]
+        per_token = 2 * info.block_count * n_kv * head_dim * 2
+        assert kv_bytes_per_token(info) == per_token
+        plan = plan_engine(
+            info,
+            budget_bytes=8 * 1024**3,
+            requested_ctx_per_slot=1024,
+            requested_parallel=2,
+            gpu=False,
+        )
+        assert plan.fits and plan.parallel == 2 and plan.ctx_per_slot == 1024
+        assert plan.n_gpu_layers == 0  # a CPU-only host plans against RAM
+        assert plan.kv_bytes == per_token * 1024 * 2
+        assert plan.weight_bytes == info.tensor_bytes
+        assert plan.weight_bytes <= path.stat().st_size

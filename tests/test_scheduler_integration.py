@@ -219,3 +219,56 @@ async def test_two_models_in_swap_mode_take_turns(
             # turns: completions of one model come in runs, not interleaved one by one
             switches = sum(1 for a, b in itertools.pairwise(order) if a != b)
             assert switches <= 3
+
+
+async def test_benchmark_is_exclusive_and_reports_speed(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    """POST /api/models/{id}/benchmark drains the engine, runs alone, and reports
+    llama-server's own prefill and decode speed; a completion sent meanwhile waits."""
+    cfg = make_config(
+        [ModelConfig(id="tiny", path=str(tiny_model), parallel=2, ctx_per_slot=1024)],
+        state_dir=state_dir,
+        engine_binary=engine_binary,
+    )
+    with trio.fail_after(120):
+        async with running(cfg) as (host, client):
+            await client.post("/completion", json=_completion(A_PROMPT, "A", 1))
+            seen_active: list[object] = []
+            order: list[str] = []
+            op_running = trio.Event()
+
+            async def bench() -> None:
+                r = await client.post(
+                    "/api/models/tiny/benchmark", params={"prompt_tokens": 512, "n_predict": 200}
+                )
+                assert r.status_code == 200, r.text
+                body = r.json()
+                assert body["prompt_tokens"] == 512 and body["predicted_tokens"] == 200
+                assert body["prompt_tokens_per_s"] > 0 and body["predicted_tokens_per_s"] > 0
+                order.append("benchmark")
+
+            async def watch() -> None:
+                while not order:
+                    active = host.scheduler.statistics().as_dict()["active"]  # type: ignore[union-attr]
+                    if active:
+                        seen_active.append(active)
+                        op_running.set()
+                    await trio.sleep(0.005)
+
+            async def completion() -> None:
+                await op_running.wait()
+                r = await client.post("/completion", json=_completion(B_PROMPT, "B", 2))
+                assert r.status_code == 200
+                order.append("completion")
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(watch)
+                nursery.start_soon(bench)
+                nursery.start_soon(completion)
+            assert seen_active and seen_active[0] == {"model_id": "tiny", "kind": "benchmark"}
+            assert order == ["benchmark", "completion"]  # admitted only after the op
+            status = (await client.get("/api/status")).json()
+            assert status["engines"][0]["benchmark"]["predicted_tokens"] == 200
+            bad = await client.post("/api/models/tiny/benchmark", params={"prompt_tokens": 99999})
+            assert bad.status_code == 400

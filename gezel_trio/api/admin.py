@@ -71,6 +71,26 @@ async def calibrate(model_id: str) -> Response:
     )
 
 
+@bp.post("/api/models/<model_id>/benchmark")
+async def benchmark(model_id: str) -> Response:
+    """Measure prefill/decode speed alone on the drained engine (an exclusive op)."""
+    host = _host()
+    rt = host.resolve_model(model_id)
+    args = request.args
+    try:
+        prompt_tokens = int(args.get("prompt_tokens", "256"))
+        n_predict = int(args.get("n_predict", "32"))
+    except ValueError as exc:
+        raise FieldError("prompt_tokens", "prompt_tokens and n_predict must be integers") from exc
+    if not 1 <= prompt_tokens <= rt.config.ctx_per_slot - n_predict or n_predict < 1:
+        raise FieldError(
+            "prompt_tokens",
+            f"need 1 <= n_predict and prompt_tokens + n_predict <= {rt.config.ctx_per_slot}",
+        )
+    result = await host.benchmark(rt, prompt_tokens=prompt_tokens, n_predict=n_predict)
+    return json_response({"model": rt.id, **result})
+
+
 # ------------------------------------------------------------------ live configuration
 
 # What ``PUT /api/config`` may change, the type each value must have, and

@@ -375,6 +375,26 @@ def _build_spec() -> dict[str, Any]:
                 },
             }
         },
+        "/api/models/{model_id}/benchmark": {
+            "post": {
+                "tags": ["admin"],
+                "summary": "Measure prefill and decode speed alone on the drained engine "
+                "(an exclusive operation); query: prompt_tokens, n_predict",
+                "parameters": [MODEL_ID_PARAM],
+                "responses": {
+                    "200": _ok(
+                        "`{model, prompt_tokens_per_s, predicted_tokens_per_s, ...}`",
+                        {"type": "object"},
+                    ),
+                    "400": _err("prompt_tokens or n_predict out of range."),
+                    "401": E401,
+                    "403": E403,
+                    "404": E404_MODEL,
+                    "409": E409,
+                    "503": E503,
+                },
+            }
+        },
         "/api/models/{model_id}/calibrate": {
             "post": {
                 "tags": ["admin"],
