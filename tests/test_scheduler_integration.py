@@ -170,9 +170,11 @@ async def test_disconnect_frees_slot_for_the_next_queued_job(
                         n += line.startswith("data: ")
                         if n == 2:
                             nursery.start_soon(second)
-                            await trio.sleep(0.3)
-                            stats = host.scheduler.statistics().as_dict()  # type: ignore[union-attr]
-                            assert stats["queued"] == 1  # B waits: one slot, taken
+                            sched = host.scheduler
+                            assert sched is not None
+                            with trio.fail_after(10):  # B waits: one slot, taken
+                                while sched.statistics().as_dict()["queued"] != 1:  # noqa: ASYNC110
+                                    await trio.sleep(0.01)
                             break
                 # the stream is closed: B is admitted promptly
                 with trio.fail_after(20):
