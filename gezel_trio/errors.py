@@ -70,6 +70,13 @@ class QueueFull(GezelError):
         self.retry_after = retry_after
 
 
+class SchedulerClosed(GezelError):
+    """The scheduler shut down before the job could run (or finish)."""
+
+    status = 503
+    code = "scheduler_closed"
+
+
 class NoCapacity(GezelError):
     """The device ledger cannot admit an engine; the message says who holds what."""
 

@@ -1,10 +1,10 @@
 """``open_host(config)``: the whole tree of components, opened from the outside in.
 
     httpx client
-      └─ GPU: NVML probe → health gate → arbiter
+      └─ GPU: NVML probe → health gate → arbiter; device ledger (SQLite)
            └─ engines (one supervisor per model, each inside its memory reservation)
                 └─ scheduler (the only place a request is admitted to a slot)
-                     └─ streams (one task per open streaming response)
+                     └─ tasks (open streaming responses; health, pressure and calibration watchers)
 
 Nesting order is cleanup order: open streams end before the scheduler, the
 scheduler before the engines, each engine before its reservation.
@@ -127,8 +127,9 @@ class Host:
         self.started_at = time.time()
         self.version = __version__
         self.urls: list[str] = []
-        self.streams: trio.Nursery = _unset_nursery()
-        """Where streaming relays wait on their jobs; closed before the scheduler."""
+        self.tasks: trio.Nursery = _unset_nursery()
+        """The host's own tasks: streaming relays waiting on their jobs, device-health and
+        memory-pressure watchers, calibration watchers. Closed before the scheduler."""
         self.last_device_health: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
@@ -532,17 +533,17 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
                 kv_parking=sched.kv_parking,
             )
         )
-        async with trio.open_nursery() as streams:
-            host.streams = streams
-            await streams.start(_serve_device_health, host)
-            await streams.start(_serve_memory_pressure, host)
+        async with trio.open_nursery() as tasks:
+            host.tasks = tasks
+            await tasks.start(_serve_device_health, host)
+            await tasks.start(_serve_memory_pressure, host)
             for rt in host.models.values():
                 if not rt.config.external:
-                    await streams.start(serve_calibration, host, rt)
+                    await tasks.start(serve_calibration, host, rt)
             try:
                 yield host
             finally:
-                streams.cancel_scope.cancel()
+                tasks.cancel_scope.cancel()
         if isinstance(nvml, NvmlProbe):
             with trio.move_on_after(2, shield=True):
                 await nvml.aclose()

@@ -138,7 +138,7 @@ async def _stream(
                         except (trio.BrokenResourceError, trio.ClosedResourceError):
                             pass
 
-    host.streams.start_soon(runner)
+    host.tasks.start_soon(runner)
     handed_off = False
     try:
         try:

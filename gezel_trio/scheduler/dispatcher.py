@@ -35,7 +35,7 @@ from typing import Protocol, TypeVar, cast, runtime_checkable
 
 import trio
 
-from gezel_trio.errors import EngineFailed, GezelError, UnknownModel
+from gezel_trio.errors import EngineFailed, GezelError, SchedulerClosed, UnknownModel
 from gezel_trio.scheduler.policy import (
     JOB_KINDS,
     Admit,
@@ -56,13 +56,6 @@ __all__ = ["EngineLane", "Scheduler", "SchedulerClosed", "open_scheduler"]
 log = logging.getLogger("gezel_trio.scheduler")
 
 T = TypeVar("T")
-
-
-class SchedulerClosed(GezelError):
-    """The scheduler shut down before the job could run (or finish)."""
-
-    status = 503
-    code = "scheduler_closed"
 
 
 @runtime_checkable
