@@ -225,6 +225,18 @@ def _families(status: Mapping[str, Any]) -> Iterator[Metric]:
     yield from _calibration_families(status)
 
 
+def _per_model_gauge(name: str, doc: str, values: Mapping[str, Any]) -> Iterator[Metric]:
+    """One gauge family with a ``model`` label, from ``{model: number}``; nothing if empty."""
+    if not values:
+        return
+    fam = GaugeMetricFamily(name, doc, labels=["model"])
+    for model, n in values.items():
+        v = _num(n)
+        if v is not None:
+            fam.add_metric([str(model)], v)
+    yield fam
+
+
 def _scheduler_families(sched: Mapping[str, Any]) -> Iterator[Metric]:
     if not sched:
         return
@@ -236,26 +248,16 @@ def _scheduler_families(sched: Mapping[str, Any]) -> Iterator[Metric]:
     cap = _num(sched.get("max_queue"))
     if cap is not None:
         yield GaugeMetricFamily("gezel_queue_capacity", "The scheduler's queue bound.", value=cap)
-    waiting = _mapping(sched.get("waiting_model_ids") or sched.get("waiting"))
-    if waiting:
-        fam = GaugeMetricFamily(
-            "gezel_queue_waiting", "Queued requests per model.", labels=["model"]
-        )
-        for model, n in waiting.items():
-            v = _num(n)
-            if v is not None:
-                fam.add_metric([str(model)], v)
-        yield fam
-    running = _mapping(sched.get("running"))
-    if running:
-        fam = GaugeMetricFamily(
-            "gezel_jobs_running", "Admitted jobs not yet finished, per model.", labels=["model"]
-        )
-        for model, n in running.items():
-            v = _num(n)
-            if v is not None:
-                fam.add_metric([str(model)], v)
-        yield fam
+    yield from _per_model_gauge(
+        "gezel_queue_waiting",
+        "Queued requests per model.",
+        _mapping(sched.get("waiting_model_ids") or sched.get("waiting")),
+    )
+    yield from _per_model_gauge(
+        "gezel_jobs_running",
+        "Admitted jobs not yet finished, per model.",
+        _mapping(sched.get("running")),
+    )
     erases = _mapping(sched.get("erases"))
     if erases:
         fam_c = CounterMetricFamily(

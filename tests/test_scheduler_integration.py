@@ -10,7 +10,7 @@ import httpx
 import pytest
 import trio
 
-from gezel_trio.config import ModelConfig
+from gezel_trio.config import Config, ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.host import Host
 
@@ -38,6 +38,23 @@ def _cached(body: dict[str, Any]) -> int:
     return int(body["timings"]["cache_n"])
 
 
+def _one_model(
+    tiny_model: Path,
+    state_dir: Path,
+    engine_binary: EngineBinary,
+    *,
+    parallel: int,
+    **sections: dict[str, object],
+) -> Config:
+    """The tiny model alone, ``parallel`` slots of 1024 tokens."""
+    return make_config(
+        [ModelConfig(id="tiny", path=str(tiny_model), parallel=parallel, ctx_per_slot=1024)],
+        state_dir=state_dir,
+        engine_binary=engine_binary,
+        **sections,
+    )
+
+
 class EraseSpy:
     """Wraps a lane's erase to record when each erase was acknowledged."""
 
@@ -63,11 +80,8 @@ async def test_handoff_erases_and_same_session_keeps_kv(
     the slot and restored when A returns (B still sees 0 cached tokens: the
     restore or erase always happens before the completion reaches the engine).
     """
-    cfg = make_config(
-        [ModelConfig(id="tiny", path=str(tiny_model), parallel=1, ctx_per_slot=1024)],
-        state_dir=state_dir,
-        engine_binary=engine_binary,
-        scheduler={"kv_parking": kv_parking},
+    cfg = _one_model(
+        tiny_model, state_dir, engine_binary, parallel=1, scheduler={"kv_parking": kv_parking}
     )
     with trio.fail_after(120):
         async with running(cfg) as (host, client):
@@ -105,11 +119,7 @@ async def test_handoff_erases_and_same_session_keeps_kv(
 async def test_two_sessions_hold_their_own_slots_at_once(
     tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
 ) -> None:
-    cfg = make_config(
-        [ModelConfig(id="tiny", path=str(tiny_model), parallel=2, ctx_per_slot=1024)],
-        state_dir=state_dir,
-        engine_binary=engine_binary,
-    )
+    cfg = _one_model(tiny_model, state_dir, engine_binary, parallel=2)
     with trio.fail_after(120):
         async with running(cfg) as (host, client):
             engine = host.models["tiny"].engine
@@ -147,11 +157,7 @@ async def test_two_sessions_hold_their_own_slots_at_once(
 async def test_disconnect_frees_slot_for_the_next_queued_job(
     tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
 ) -> None:
-    cfg = make_config(
-        [ModelConfig(id="tiny", path=str(tiny_model), parallel=1, ctx_per_slot=1024)],
-        state_dir=state_dir,
-        engine_binary=engine_binary,
-    )
+    cfg = _one_model(tiny_model, state_dir, engine_binary, parallel=1)
     with trio.fail_after(120):
         async with running(cfg) as (host, client):
             await client.post("/completion", json=_completion(A_PROMPT, "A", 1))
@@ -228,11 +234,7 @@ async def test_benchmark_is_exclusive_and_reports_speed(
 ) -> None:
     """POST /api/models/{id}/benchmark drains the engine, runs alone, and reports
     llama-server's own prefill and decode speed; a completion sent meanwhile waits."""
-    cfg = make_config(
-        [ModelConfig(id="tiny", path=str(tiny_model), parallel=2, ctx_per_slot=1024)],
-        state_dir=state_dir,
-        engine_binary=engine_binary,
-    )
+    cfg = _one_model(tiny_model, state_dir, engine_binary, parallel=2)
     with trio.fail_after(120):
         async with running(cfg) as (host, client):
             await client.post("/completion", json=_completion(A_PROMPT, "A", 1))
