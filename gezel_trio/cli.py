@@ -26,11 +26,22 @@ def embedded_default(config: Config) -> Config:
     return config
 
 
+def _load_config(path: str | None) -> Config:
+    """:func:`load_config`, with a file that cannot be read as a :class:`ConfigError` too."""
+    try:
+        return load_config(path)
+    except OSError as exc:  # a directory, no permission, ... (a missing file is a ConfigError)
+        reason = (exc.strerror or str(exc)).lower()
+    except UnicodeDecodeError as exc:
+        reason = f"not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start})"
+    raise ConfigError(f"--config: cannot read {path!r}: {reason}")
+
+
 def _serve(args: argparse.Namespace) -> int:
     from .logging_setup import setup_logging
     from .server import serve_until_signalled
 
-    config = load_config(args.config)
+    config = _load_config(args.config)
     if args.host is not None:
         config.server.host = args.host
     if args.port is not None:
@@ -78,7 +89,7 @@ def _build_engine(args: argparse.Namespace) -> int:
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    config = embedded_default(load_config(args.config))
+    config = embedded_default(_load_config(args.config))
     print(json.dumps({"ok": True, "models": [m.id for m in config.models]}))
     return 0
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -12,8 +14,10 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as hypercorn_serve
 
+from ._trio import unwrapping
 from .api.app import create_app
 from .config import Config
+from .errors import GezelError
 from .gpu.probe import Probe
 from .host import Host, open_host
 
@@ -36,6 +40,45 @@ def hypercorn_config(config: Config) -> HypercornConfig:
     return hc
 
 
+class ListenError(GezelError):
+    """hypercorn could not bind ``[server] host``:``port``; the message says what to change."""
+
+    code = "cannot_listen"
+
+    def __init__(self, message: str, *, address: str, errno: int | None) -> None:
+        super().__init__(message)
+        self.address = address
+        self.errno = errno
+
+
+_BIND_ERRORS = {
+    errno.EADDRINUSE: ("address already in use", "choose another [server] port or --port"),
+    errno.EACCES: (
+        "permission denied",
+        "ports below 1024 need privileges: choose another [server] port or --port",
+    ),
+    errno.EADDRNOTAVAIL: (
+        "no such address on this machine",
+        "choose another [server] host or --host",
+    ),
+}
+
+
+def listen_error(config: Config, exc: OSError) -> ListenError | None:
+    """The bind failure ``exc`` as a :class:`ListenError`; None if it is not one."""
+    host, port = config.server.host, config.server.port
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if isinstance(exc, socket.gaierror):
+        reason, advice = f"unknown host ({exc.strerror})", "choose another [server] host or --host"
+    elif exc.errno in _BIND_ERRORS:
+        reason, advice = _BIND_ERRORS[exc.errno]
+    else:
+        return None
+    return ListenError(
+        f"cannot listen on {address}: {reason}; {advice}", address=address, errno=exc.errno
+    )
+
+
 def exposure_warning(config: Config) -> str | None:
     if config.server.host not in LOOPBACK and not config.server.api_keys:
         return (
@@ -55,18 +98,26 @@ async def open_server(
     """Open the host and serve it over HTTP for the duration of the block.
 
     Yields the host and the bound URLs (useful with port 0). Leaving the
-    block stops hypercorn, then every engine.
+    block stops hypercorn, then every engine; so does cancellation, which
+    leaves as a :class:`trio.Cancelled`. Errors leave as themselves, never as
+    an exception group; a port that cannot be bound is a :class:`ListenError`.
     """
     warning = exposure_warning(config)
     if warning:
         log.warning(warning)
-    async with open_host(config, probe=probe) as host, trio.open_nursery() as nursery:
+    async with unwrapping(), open_host(config, probe=probe) as host, trio.open_nursery() as nursery:
         app = create_app(host)
-        binds: list[str] = await nursery.start(
-            partial(
-                hypercorn_serve, app, hypercorn_config(config), shutdown_trigger=shutdown_trigger
-            )
+        serve = partial(
+            hypercorn_serve, app, hypercorn_config(config), shutdown_trigger=shutdown_trigger
         )
+        try:
+            async with unwrapping():  # hypercorn binds inside two nurseries of its own
+                binds: list[str] = await nursery.start(serve)
+        except OSError as exc:
+            error = listen_error(config, exc)
+            if error is None:
+                raise
+            raise error from exc
         host.urls = binds
         log.info("serving", extra={"fields": {"urls": binds, "models": list(host.models)}})
         try:
@@ -83,7 +134,8 @@ async def serve_host(
 ) -> None:
     """Serve until ``shutdown_trigger`` returns or the task is cancelled.
 
-    Cancellation stops every engine before this returns.
+    Cancellation stops every engine before this returns. Errors leave as
+    themselves (see :func:`open_server`), never as an exception group.
     """
     done = trio.Event()
 
@@ -105,6 +157,8 @@ async def serve_until_signalled(config: Config) -> None:
     The signal handlers stay installed for the whole shutdown: a second
     Ctrl-C while engines are stopping is logged and absorbed instead of
     killing the host halfway and orphaning llama-server processes.
+    Cancellation stops every engine before this returns. Errors leave as
+    themselves (see :func:`open_server`), never as an exception group.
     """
     shutdown = trio.Event()
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -121,7 +175,7 @@ async def serve_until_signalled(config: Config) -> None:
                         extra={"fields": {"signal": name}},
                     )
 
-        async with trio.open_nursery() as nursery:
+        async with unwrapping(), trio.open_nursery() as nursery:
             nursery.start_soon(watch)
             await serve_host(config, shutdown_trigger=shutdown.wait)
             nursery.cancel_scope.cancel()

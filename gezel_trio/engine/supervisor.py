@@ -38,6 +38,7 @@ import httpx
 import trio
 from trio_util import AsyncValue
 
+from .._trio import unwrapping
 from ..errors import EngineCrashed, EngineFailed, GezelError
 from .logs import LogRing
 from .pidfile import reap_orphan, remove_pidfile, write_pidfile
@@ -641,6 +642,8 @@ async def open_engine(
 
     On exit (normal, error or cancellation) the process is stopped under a
     shielded deadline and the reservation released after it has exited.
+    Errors leave as themselves, never as an exception group; cancellation
+    leaves as a :class:`trio.Cancelled`.
     """
     engine = Engine(
         key=key,
@@ -655,7 +658,7 @@ async def open_engine(
         log_lines=log_lines,
         pid_file=pid_file,
     )
-    async with trio.open_nursery() as nursery:
+    async with unwrapping(), trio.open_nursery() as nursery:
         await nursery.start(engine._serve)
         try:
             yield engine

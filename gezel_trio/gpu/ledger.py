@@ -33,6 +33,7 @@ from typing import Any
 
 import trio
 
+from gezel_trio._trio import unwrapping
 from gezel_trio.errors import ConfigError, NoCapacity
 from gezel_trio.gpu.probe import DeviceHealth
 from gezel_trio.procs import process_alive, process_start_token
@@ -555,12 +556,15 @@ async def open_ledger(
 ) -> AsyncIterator[DeviceLedger]:
     """Open (creating if needed) the shared ledger at ``path``.
 
-    On exit, any reservation this instance still holds is released (shielded,
-    with a deadline), so a leaked scope cannot keep bytes past the ledger.
+    On exit, cancellation included, any reservation this instance still holds
+    is released (shielded, with a deadline), so a leaked scope cannot keep
+    bytes past the ledger. Errors leave as themselves, never as an exception
+    group (one raised by the block is unwrapped too).
     """
     ledger = DeviceLedger(path, capacities=capacities, identity=identity)
     await ledger.initialize()
-    try:
-        yield ledger
-    finally:
-        await ledger.aclose()
+    async with unwrapping():
+        try:
+            yield ledger
+        finally:
+            await ledger.aclose()
