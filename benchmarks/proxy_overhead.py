@@ -1,17 +1,32 @@
-"""Proxy overhead and cold start, host vs the same llama-server directly.
+"""Proxy overhead and cold start: the host and llama-server's router mode vs the same
+llama-server directly.
 
     python -m benchmarks.proxy_overhead [--requests 300] [--streams 8] [--tokens 128]
+    python -m benchmarks.proxy_overhead --quick     # smoke run: 40 rounds, 2 streams, 1 cold
 
-1. Added latency of a non-streamed 1-token completion: requests alternate
-   between the engine's own port and the host (same engine, warm), so drift
-   cancels; reports median and p99 of each and their difference.
-2. Throughput of 8 concurrent streams (`ignore_eos`, fixed length): total
-   tokens per second through the host over direct.
-3. Cold start: a fresh host, first request to first token, minus llama-server's
-   own spawn-to-/health-200 time (reported by the supervisor) and minus a warm
-   request's TTFT: what the host adds to a cold start.
+One llama-server binary (resolved once, given to the host and the router) and one generated
+``tiny`` model serve three paths:
 
-Prints the figures and writes benchmarks/results/proxy_overhead.json.
+- ``direct``: the host's own engine, on its own port;
+- ``host``: gezel-trio in front of that same engine;
+- ``router``: ``llama-server --models-dir DIR`` (router mode), which proxies to a child
+  llama-server it spawns for the model (same binary, model, slots and context).
+
+1. Added latency of a non-streamed 1-token chat completion (``/v1/chat/completions``,
+   ``max_tokens`` 1, temperature 0), the headline figure, and of a 1-token text completion
+   (``/v1/completions``). Each round sends one chat and one text request down every path,
+   one after another, warm, the order of the three paths rotated each round so drift
+   cancels. Reports median and p99 of each path and the added median and p99 of
+   host - direct and router - direct (differences of the percentiles).
+2. Throughput of N concurrent streams (``ignore_eos``, fixed length): total tokens per
+   second of each path, the median of several rounds (path order rotated each round);
+   host / direct (and router / direct) is the figure, and each path's range of rounds
+   shows how much of a difference is noise.
+3. Cold start: a fresh host, first request to first token, minus llama-server's own
+   spawn-to-/health-200 time (reported by the supervisor) and minus a warm request's TTFT:
+   what the host adds to a cold start.
+
+Prints a table and writes benchmarks/results/proxy_overhead.json.
 """
 
 from __future__ import annotations
@@ -19,19 +34,46 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import trio
 
+from gezel_trio.bench.errors import BenchError
+from gezel_trio.bench.targets import (
+    EngineCommand,
+    LaunchSettings,
+    open_target,
+    resolve_llama_server,
+)
 from gezel_trio.engine.demo_model import write_demo_model
 
 from ._harness import host_process, median, pct, write_result
 
+PATHS = ("direct", "host", "router")
+KINDS = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
+MODEL = "tiny"
+CTX_PER_SLOT = 512
+WARMUP_ROUNDS = 10
+WORKDIR = Path("benchmarks/results/tmp")
+TARGET_RATIO = 0.97
+
+
+def _chat() -> dict[str, object]:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "The quick brown fox"}],
+        "max_tokens": 1,
+        "temperature": 0,
+        "stream": False,
+    }
+
 
 def _completion(n: int, *, stream: bool = False) -> dict[str, object]:
     return {
-        "model": "tiny",
+        "model": MODEL,
         "prompt": "The quick brown fox",
         "max_tokens": n,
         "temperature": 0,
@@ -41,27 +83,69 @@ def _completion(n: int, *, stream: bool = False) -> dict[str, object]:
     }
 
 
-async def _latency(host: str, direct: str, n: int) -> dict[str, float]:
-    via_host: list[float] = []
-    via_direct: list[float] = []
+def _body(kind: str) -> dict[str, object]:
+    return _chat() if kind == "chat" else _completion(1)
+
+
+def _rotated(paths: Sequence[str], i: int) -> list[str]:
+    k = i % len(paths)
+    return [*paths[k:], *paths[:k]]
+
+
+class _Poster:
+    """Times one request; retries once (untimed attempt discarded) when the server had
+    closed the pooled keep-alive connection, and counts those reconnects."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self.client = client
+        self.reconnects = 0
+
+    async def timed(self, url: str, body: dict[str, object]) -> float:
+        for attempt in range(2):
+            t0 = time.perf_counter()
+            try:
+                r = await self.client.post(url, json=body)
+            except (httpx.RemoteProtocolError, httpx.ReadError):
+                if attempt:
+                    raise
+                self.reconnects += 1
+                continue
+            elapsed = (time.perf_counter() - t0) * 1000
+            if r.status_code != 200:
+                raise BenchError(f"{url}: HTTP {r.status_code}: {r.text[:300]}")
+            return elapsed
+        raise AssertionError("unreachable")
+
+
+def _summary(samples: dict[str, list[float]], rounds: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for path in PATHS:
+        out[f"{path}_median_ms"] = median(samples[path])
+        out[f"{path}_p99_ms"] = pct(samples[path], 99)
+    for path in ("host", "router"):
+        out[f"{path}_added_median_ms"] = out[f"{path}_median_ms"] - out["direct_median_ms"]
+        out[f"{path}_added_p99_ms"] = out[f"{path}_p99_ms"] - out["direct_p99_ms"]
+    out["requests"] = rounds
+    return out
+
+
+async def _latency(bases: dict[str, str], rounds: int) -> dict[str, Any]:
+    samples = {kind: {path: [] for path in PATHS} for kind in KINDS}
     async with httpx.AsyncClient(timeout=60) as client:
-        for _ in range(10):  # warm both paths
-            await client.post(host + "/v1/completions", json=_completion(1))
-            await client.post(direct + "/v1/completions", json=_completion(1))
-        for _ in range(n):
-            for base, out in ((direct, via_direct), (host, via_host)):
-                t0 = time.perf_counter()
-                r = await client.post(base + "/v1/completions", json=_completion(1))
-                out.append((time.perf_counter() - t0) * 1000)
-                assert r.status_code == 200, r.text
+        poster = _Poster(client)
+        for i in range(WARMUP_ROUNDS):  # warm every path (the router loads its child here)
+            for kind, route in KINDS.items():
+                for path in _rotated(PATHS, i):
+                    await poster.timed(bases[path] + route, _body(kind))
+        for i in range(rounds):
+            for kind, route in KINDS.items():
+                for path in _rotated(PATHS, i):
+                    ms = await poster.timed(bases[path] + route, _body(kind))
+                    samples[kind][path].append(ms)
     return {
-        "direct_median_ms": median(via_direct),
-        "direct_p99_ms": pct(via_direct, 99),
-        "host_median_ms": median(via_host),
-        "host_p99_ms": pct(via_host, 99),
-        "added_median_ms": median(via_host) - median(via_direct),
-        "added_p99_ms": pct(via_host, 99) - pct(via_direct, 99),
-        "requests": n,
+        "chat": _summary(samples["chat"], rounds),
+        "text": _summary(samples["text"], rounds),
+        "reconnects": poster.reconnects,
     }
 
 
@@ -73,7 +157,8 @@ async def _streams(base: str, streams: int, tokens: int) -> float:
         async with client.stream(
             "POST", base + "/v1/completions", json=_completion(tokens, stream=True)
         ) as r:
-            assert r.status_code == 200
+            if r.status_code != 200:
+                raise BenchError(f"{base}: HTTP {r.status_code} on a stream")
             async for line in r.aiter_lines():
                 data = line[6:] if line.startswith("data: ") else "[DONE]"
                 if data != "[DONE]" and json.loads(data).get("choices"):
@@ -85,6 +170,68 @@ async def _streams(base: str, streams: int, tokens: int) -> float:
             for _ in range(streams):
                 nursery.start_soon(one, client)
         return counted / (time.perf_counter() - t0)
+
+
+async def _throughput(
+    bases: dict[str, str], streams: int, tokens: int, rounds: int
+) -> dict[str, Any]:
+    tps: dict[str, list[float]] = {path: [] for path in PATHS}
+    for i in range(rounds):
+        for path in _rotated(PATHS, i):
+            tps[path].append(await _streams(bases[path], streams, tokens))
+    out: dict[str, Any] = {"streams": streams, "tokens_per_stream": tokens}
+    out |= {f"{path}_tok_s": median(tps[path]) for path in PATHS}
+    out["ratio"] = out["host_tok_s"] / out["direct_tok_s"]
+    out["router_ratio"] = out["router_tok_s"] / out["direct_tok_s"]
+    out["rounds"] = rounds
+    # the spread of one path's rounds: how far apart two medians can be by noise alone
+    out |= {f"{path}_tok_s_range": [min(tps[path]), max(tps[path])] for path in PATHS}
+    return out
+
+
+def _host_engine(host: str, engine: EngineCommand) -> dict[str, Any]:
+    """The running host's engine (its status entry), after one request has warmed it.
+    Raises :class:`BenchError` unless it runs the binary the router will run."""
+    r = httpx.post(host + "/v1/completions", json=_completion(1), timeout=120)
+    if r.status_code != 200:
+        raise BenchError(f"{host}: HTTP {r.status_code}: {r.text[:300]}")
+    status = httpx.get(host + "/api/status", timeout=10).json()
+    host_binary = Path(status["engine_binary"]["path"]).resolve()
+    if host_binary != engine.path.resolve():
+        raise BenchError(f"the host runs {host_binary}, the router would run {engine.path}")
+    engine_status: dict[str, Any] = status["engines"][0]
+    return engine_status
+
+
+async def _warm_paths(
+    host: str,
+    host_engine: dict[str, Any],
+    engine: EngineCommand,
+    settings: LaunchSettings,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """Latency and throughput of the three paths, with the host already running."""
+    async with open_target("router", settings=settings, engine=engine) as router:
+        bases = {"direct": host_engine["url"], "host": host, "router": router.base_url}
+        latency = await _latency(bases, args.requests)
+        throughput = await _throughput(bases, args.streams, args.tokens, args.stream_rounds)
+    return {
+        "setup": {
+            "binary": str(engine.path),
+            "binary_found_by": engine.found_by,
+            "engine_version": router.description.get("engine_version", ""),
+            "model": MODEL,
+            "parallel": settings.parallel,
+            "ctx_per_slot": settings.ctx_per_slot,
+            "direct_argv": host_engine.get("argv"),
+            "router_argv": router.description.get("argv"),
+            "quick": args.quick,
+        },
+        "chat_latency": latency["chat"],
+        "text_latency": latency["text"],
+        "reconnects": latency["reconnects"],
+        "throughput": throughput,
+    }
 
 
 async def _cold_start(base: str) -> dict[str, float]:
@@ -117,33 +264,75 @@ async def _cold_start(base: str) -> dict[str, float]:
     }
 
 
+def _table(result: dict[str, Any]) -> str:
+    rounds = result["chat_latency"]["requests"]
+    lines = [
+        f"{'1-token latency, ' + str(rounds) + ' rounds':<30}"
+        f"{'median ms':>10}{'p99 ms':>10}{'+median':>10}{'+p99':>10}"
+    ]
+    for kind in KINDS:
+        lat = result[f"{kind}_latency"]
+        for path in PATHS:
+            row = f"  {kind:<5}{path:<23}{lat[path + '_median_ms']:>10.2f}"
+            row += f"{lat[path + '_p99_ms']:>10.2f}"
+            if path != "direct":
+                row += f"{lat[path + '_added_median_ms']:>+10.2f}"
+                row += f"{lat[path + '_added_p99_ms']:>+10.2f}"
+            lines.append(row)
+    tp = result["throughput"]
+    lo, hi = tp["direct_tok_s_range"]
+    lines.append(
+        f"{tp['streams']} streams x {tp['tokens_per_stream']} tokens, {tp['rounds']} rounds: "
+        f"direct {tp['direct_tok_s']:.0f} tok/s (rounds {lo:.0f}-{hi:.0f}), "
+        f"host {tp['host_tok_s']:.0f} "
+        f"({tp['ratio']:.3f} of direct, target >= {TARGET_RATIO}), "
+        f"router {tp['router_tok_s']:.0f} ({tp['router_ratio']:.3f})"
+    )
+    cs = result["cold_start"]
+    lines.append(
+        f"cold start ({cs['runs']} runs): first token {cs['cold_ttft_ms']:.1f} ms = "
+        f"llama-server load {cs['engine_load_ms']:.1f} + warm TTFT {cs['warm_ttft_ms']:.1f} "
+        f"+ host {cs['host_added_ms']:.1f}"
+    )
+    return "\n".join(lines)
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=300)
-    ap.add_argument("--streams", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--cold-runs", type=int, default=3)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--requests", type=int, default=None, help="timed rounds (default 300)")
+    ap.add_argument("--streams", type=int, default=None, help="concurrent streams (default 8)")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per stream")
+    ap.add_argument(
+        "--stream-rounds", type=int, default=None, help="throughput rounds per path (default 6)"
+    )
+    ap.add_argument("--cold-runs", type=int, default=None, help="fresh hosts (default 3)")
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke run: 40 rounds, 2 streams, 1 cold run"
+    )
     args = ap.parse_args()
-    model = write_demo_model(Path("benchmarks/results/tmp/tiny.gguf"), size="tiny")
-    spec = [{"id": "tiny", "path": str(model), "parallel": args.streams, "ctx_per_slot": 512}]
-    result: dict[str, object] = {}
+    quick = {"requests": 40, "streams": 2, "stream_rounds": 3, "cold_runs": 1}
+    full = {"requests": 300, "streams": 8, "stream_rounds": 6, "cold_runs": 3}
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if min(args.requests, args.streams, args.tokens, args.stream_rounds, args.cold_runs) < 1:
+        ap.error("--requests, --streams, --tokens, --stream-rounds, --cold-runs: at least 1")
+
+    engine = resolve_llama_server()
+    model = write_demo_model(WORKDIR / f"{MODEL}.gguf", size="tiny")
+    spec = [
+        {"id": MODEL, "path": str(model), "parallel": args.streams, "ctx_per_slot": CTX_PER_SLOT}
+    ]
+    settings = LaunchSettings(
+        model_path=model,
+        parallel=args.streams,
+        ctx_per_slot=CTX_PER_SLOT,
+        workdir=WORKDIR / "proxy-overhead",
+        startup_timeout=60.0,
+    )
     with host_process(spec) as (base, _):
-        httpx.post(base + "/v1/completions", json=_completion(1), timeout=120)
-        engine = httpx.get(base + "/api/status").json()["engines"][0]
-        direct = engine["url"]
-        result["latency"] = trio.run(_latency, base, direct, args.requests)
-        host_tps = []
-        direct_tps = []
-        for _ in range(3):
-            direct_tps.append(trio.run(_streams, direct, args.streams, args.tokens))
-            host_tps.append(trio.run(_streams, base, args.streams, args.tokens))
-        result["throughput"] = {
-            "streams": args.streams,
-            "tokens_per_stream": args.tokens,
-            "direct_tok_s": median(direct_tps),
-            "host_tok_s": median(host_tps),
-            "ratio": median(host_tps) / median(direct_tps),
-        }
+        host_engine = _host_engine(base, engine)
+        result = trio.run(_warm_paths, base, host_engine, engine, settings, args)
     colds = []
     for _ in range(args.cold_runs):
         with host_process(spec) as (base, _):
@@ -152,7 +341,7 @@ def main() -> None:
         "runs": len(colds)
     }
     path = write_result("proxy_overhead", result)
-    print(json.dumps(result, indent=2))
+    print(_table(result))
     print(f"wrote {path}")
 
 
