@@ -43,7 +43,15 @@ import trio
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from gezel_trio.scheduler import Grant, SlotMeasurement, open_scheduler  # noqa: E402
+import contextlib  # noqa: E402
+from contextlib import AbstractAsyncContextManager, AbstractContextManager  # noqa: E402
+
+from gezel_trio.scheduler import (  # noqa: E402
+    Grant,
+    SchedulerSettings,
+    SlotMeasurement,
+    open_scheduler,
+)
 from gezel_trio.scheduler.dispatcher import _TrioJob  # noqa: E402
 from gezel_trio.scheduler.policy import (  # noqa: E402
     Admit,
@@ -60,7 +68,8 @@ SESSIONS_PER_MODEL = 50  # keyed chats per model; every 5th job is keyless
 
 
 class FakeLane:
-    """An in-memory engine: ``/slots`` reflects the jobs on it, nothing takes time."""
+    """An in-memory engine the host spawned (free slots come from the slot table);
+    nothing takes time."""
 
     def __init__(self, model_id: str, parallel: int, gate: trio.Event | None) -> None:
         self.model_id = model_id
@@ -77,8 +86,21 @@ class FakeLane:
         return self._parallel
 
     @property
+    def slot_count(self) -> int:
+        return self._parallel
+
+    @property
     def generation(self) -> int:
         return self._generation
+
+    sole_client = True
+    ready = True
+
+    def hold(self) -> AbstractContextManager[object]:
+        return contextlib.nullcontext()
+
+    def lease(self) -> AbstractAsyncContextManager[object]:
+        return contextlib.nullcontext()
 
     async def ensure_resident(self) -> None:
         if self.gate is not None:
@@ -116,9 +138,7 @@ async def _scheduler_run(
     done = 0
     pass_times: list[float] = []
     async with open_scheduler(
-        lanes=lanes,
-        residency=residency,
-        max_queue=jobs,
+        lanes=lanes, settings=SchedulerSettings(residency=residency, max_queue=jobs)
     ) as scheduler:
         policy = scheduler.policy
         original = policy.note_pass
@@ -190,7 +210,9 @@ class _InfoLane:
         self.model_id = model_id
         self.display_name = model_id
         self.parallel = parallel
+        self.slot_count = parallel
         self.generation = 1
+        self.sole_client = True
 
 
 def _policy_run(*, jobs: int, models: int, parallel: int, residency: Residency) -> dict[str, Any]:
@@ -207,9 +229,7 @@ def _policy_run(*, jobs: int, models: int, parallel: int, residency: Residency) 
             if isinstance(action, Load):
                 policy.load_done(action.model_id)
             elif isinstance(action, Admit):
-                busy = {j.slot_id for j in running[action.model_id]}
-                idle = tuple(i for i in range(parallel) if i not in busy)
-                got = policy.admit(action.model_id, _measure(idle), now=0.0).jobs
+                got = policy.admit(action.model_id, None, now=0.0).jobs
                 running[action.model_id].extend(got)
                 admitted += len(got)
             elif isinstance(action, RunExclusive):  # pragma: no cover - none submitted
@@ -217,7 +237,6 @@ def _policy_run(*, jobs: int, models: int, parallel: int, residency: Residency) 
         for name in names:  # every running job finishes before the next pass
             for job in running[name]:
                 job.ran = True
-                job.erase_ok = True if job.erase else None
                 policy.settle(job, now=0.0)
             running[name].clear()
     took = time.perf_counter() - started
@@ -227,10 +246,6 @@ def _policy_run(*, jobs: int, models: int, parallel: int, residency: Residency) 
         "jobs": jobs,
         "policy_us_per_admission": took / jobs * 1e6,
     }
-
-
-def _measure(idle: tuple[int, ...]) -> Any:
-    return SlotMeasurement(idle=len(idle), ids=idle)
 
 
 def _scheduler_job_bytes(jobs: int, models: int, parallel: int) -> float:
@@ -246,7 +261,6 @@ def _scheduler_job_bytes(jobs: int, models: int, parallel: int) -> float:
         held = []
         for i in range(jobs):
             job = _TrioJob(model_id=names[i % models], session=_session(i, i % models))
-            job.finished = trio.Event()
             held.append(job)
             policy.enqueue(job, now=0.0)
         current = tracemalloc.get_traced_memory()[0]

@@ -156,19 +156,17 @@ async def calibrate(host: Host, runtime: ModelRuntime) -> CalibrationResult:
     the engine keeps its current ceiling.
     """
 
-    async def job(_grant: object) -> CalibrationResult:
+    async with host.slot(runtime, kind="calibrate"):
         engine = runtime.engine
         await engine.ensure_ready()
         assert engine.base_url is not None
         parallel = engine.parallel or runtime.config.parallel
-        return await probe_cobatch(
+        result = await probe_cobatch(
             host.http,
             engine.base_url,
             parallel=parallel,
             engine_alive=lambda: engine.state.value is EngineState.READY,
         )
-
-    result = await host.run_job(runtime, job, kind="calibrate")
     state = runtime.calibration
     state.runs += 1
     state.fingerprint = build_fingerprint(host)

@@ -66,7 +66,6 @@ class SchedulerConfig:
     affinity: bool = True
     affinity_max_wait: float = 1.0
     """Seconds a queued request may be passed over by sessions that hold slots."""
-    pinning: bool = True
     erase_on_handoff: bool = True
     kv_parking: bool = True
     """Save a chat's KV to disk (slot save) when its slot is handed over, restore it later."""
@@ -227,6 +226,11 @@ def _build(cls: type[Any], data: Mapping[str, Any], prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
+    if prefix == "scheduler" and "pinning" in unknown:
+        raise ConfigError(
+            "scheduler.pinning: removed; every request is pinned to a slot the host "
+            "has checked (delete the key)"
+        )
     if unknown:
         raise ConfigError(
             f"{prefix}.{unknown[0]}: unknown key; expected one of {', '.join(sorted(names))}"

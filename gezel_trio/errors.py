@@ -110,14 +110,3 @@ class EngineTimeout(GezelError):
 
     status = 504
     code = "engine_timeout"
-
-
-class UpstreamError(GezelError):
-    """The engine answered with an error; its status is relayed faithfully."""
-
-    code = "upstream_error"
-
-    def __init__(self, message: str, *, status: int, body: object | None = None) -> None:
-        super().__init__(message, detail=body)
-        self.status = status
-        self.type = "invalid_request_error" if 400 <= status < 500 else "server_error"

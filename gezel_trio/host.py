@@ -15,19 +15,21 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import trio
 
 from . import __version__
+from ._trio import unwrapping
 from .calibration import CalibrationBook, calibrate, serve_calibration
 from .config import Config, ModelConfig
 from .engine.argv import build_argv
 from .engine.binary import BuildFacts, EngineBinary, read_build_facts, resolve_engine
+from .engine.client import EngineClient
 from .engine.gguf_meta import GGUFError, read_gguf_info
 from .engine.planner import plan_engine
 from .engine.speed import measure_speed
@@ -52,10 +54,16 @@ from .gpu.ledger import (
 from .gpu.probe import NvmlProbe, Probe
 from .lane import ModelRuntime
 from .metrics import Metrics
-from .scheduler import Grant, JobKind, Scheduler, open_scheduler
+from .scheduler import (
+    Grant,
+    JobKind,
+    Scheduler,
+    SchedulerSettings,
+    SlotRequest,
+    open_scheduler,
+)
 
 log = logging.getLogger("gezel_trio.host")
-T = TypeVar("T")
 
 __all__ = ["EngineResolver", "Grant", "Host", "ModelRuntime", "open_host"]
 
@@ -174,35 +182,28 @@ class Host:
 
     # -------------------------------------------------------------- running jobs
 
-    async def run_job(
+    def slot(
         self,
         runtime: ModelRuntime,
-        run: Callable[[Grant], Awaitable[T]],
         *,
         session: str | None = None,
         kind: JobKind = "completion",
-    ) -> T:
-        """Queue ``run`` with the scheduler; it runs once its model is resident and a slot is free.
+        any_slot: bool = False,
+        needs_slot: bool = True,
+    ) -> SlotRequest:
+        """``async with host.slot(runtime, session=...) as grant``: hold a slot of
+        ``runtime``'s engine for the block (see :meth:`Scheduler.slot`).
 
-        The job holds a GPU lease for its model's slot class and marks the
-        engine busy while it runs. Cancelling the caller removes a queued job
-        or cancels a running one (the lease and slot are released at scope exit).
+        The block runs once the model is resident, its turn has come and the slot
+        is prepared; the engine is held (no idle or pressure release) from
+        admission to exit, and the GPU lease for the model's slot class is held
+        inside. Cancelling the caller withdraws a queued request or exits the
+        block; pin, lease and hold are released at scope exit on every path.
         """
         assert self.scheduler is not None, "the host is not open"
-        lease_class = runtime.config.gpu_class
-
-        async def job(grant: Grant) -> T:
-            if runtime.engine.state.value is not EngineState.READY:
-                # The engine died after this job was admitted but before it was sent:
-                # restart it lazily rather than fail a request the engine never saw.
-                await runtime.ensure_resident()
-            t0 = trio.current_time()
-            async with self.arbiter.lease(lease_class):
-                self.metrics.lease_wait(trio.current_time() - t0)
-                with runtime.engine.in_use():
-                    return await run(grant)
-
-        return await self.scheduler.submit(runtime.id, job, session=session, kind=kind)
+        return self.scheduler.slot(
+            runtime.id, session=session, kind=kind, any_slot=any_slot, needs_slot=needs_slot
+        )
 
     async def calibrate(self, runtime: ModelRuntime) -> dict[str, Any]:
         """Run the co-batch calibration now (an exclusive operation); returns its result."""
@@ -217,19 +218,17 @@ class Host:
         The engine is drained first and nothing else is admitted while it runs.
         """
 
-        async def job(_grant: Grant) -> dict[str, Any]:
+        async with self.slot(runtime, kind="benchmark"):
             engine = runtime.engine
             await engine.ensure_ready()
             assert engine.base_url is not None
-            return await measure_speed(
+            result = await measure_speed(
                 self.http,
                 engine.base_url,
                 vocab_size=runtime.vocab_size,
                 prompt_tokens=prompt_tokens,
                 n_predict=n_predict,
             )
-
-        result = await self.run_job(runtime, job, kind="benchmark")
         runtime.last_benchmark = result
         return result
 
@@ -341,6 +340,7 @@ def _argv_builder(
             host_args=config.engine.extra_args,
             user_args=model.args,
             embeddings=model.embeddings,
+            alias=model.id,
         )
         return list(profile.argv), profile.parallel
 
@@ -472,6 +472,7 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
     state_dir.mkdir(parents=True, exist_ok=True)
     health = await gate.device_health(max_age=0)
     async with (
+        unwrapping(),
         httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(30.0)) as http,
         open_ledger(state_dir / "ledger.sqlite", capacities=default_capacities(health)) as ledger,
         AsyncExitStack() as stack,
@@ -492,8 +493,8 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
                 env = resolver.get().launch_env()
             runtime = ModelRuntime(
                 config=model,
-                engine=None,  # type: ignore[arg-type]
-                http=http,
+                engine=None,  # type: ignore[arg-type]  # set below: it needs the runtime
+                client=None,  # type: ignore[arg-type]  # set below: it needs the engine
                 arbiter=arbiter,
                 metrics=host.metrics,
             )
@@ -513,6 +514,12 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
                     pid_file=None if model.external else state_dir / "engines" / f"{model.id}.json",
                 )
             )
+            runtime.client = EngineClient(
+                http,
+                runtime.engine,
+                read_timeout=config.engine.request_timeout,
+                model_id=model.id,
+            )
             if not model.external:
                 arbiter.register_evictor(model.gpu_class, runtime.engine.stop, owner_id=model.id)
                 assert model.path is not None
@@ -523,14 +530,15 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
         host.scheduler = await stack.enter_async_context(
             open_scheduler(
                 lanes=host.models,
-                residency="swap" if arbiter.policy == "swap" else "coexist",
-                max_queue=sched.max_queue,
-                slot_poll=sched.slot_poll,
-                affinity=sched.affinity,
-                affinity_max_wait=sched.affinity_max_wait,
-                pinning=sched.pinning,
-                erase_on_handoff=sched.erase_on_handoff,
-                kv_parking=sched.kv_parking,
+                settings=SchedulerSettings(
+                    residency="swap" if arbiter.policy == "swap" else "coexist",
+                    max_queue=sched.max_queue,
+                    slot_poll=sched.slot_poll,
+                    affinity=sched.affinity,
+                    affinity_max_wait=sched.affinity_max_wait,
+                    erase_on_handoff=sched.erase_on_handoff,
+                    kv_parking=sched.kv_parking,
+                ),
             )
         )
         async with trio.open_nursery() as tasks:

@@ -2,8 +2,10 @@
 
 :class:`ModelRuntime` implements the scheduler's ``EngineLane`` over a
 supervised (or external) engine: making the model resident goes through the
-GPU arbiter (in ``swap`` it evicts the other slot classes first), slots are
-measured with ``GET /slots`` and erased with ``POST /slots/{id}?action=erase``.
+GPU arbiter (in ``swap`` it evicts the other slot classes first), a running job
+holds the engine (no idle or pressure release) and the GPU lease, and slots
+are sampled, erased, saved and restored through the engine's
+:class:`~gezel_trio.engine.client.EngineClient`.
 """
 
 from __future__ import annotations
@@ -12,21 +14,21 @@ import collections
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, AbstractContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from .calibration import CalibrationState
 from .config import ModelConfig
+from .engine.client import EngineClient
 from .engine.gguf_meta import GGUFInfo
 from .engine.planner import EnginePlan
-from .engine.supervisor import Engine
-from .errors import EngineFailed, FieldError
+from .engine.supervisor import Engine, EngineState
+from .errors import EngineFailed, FieldError, GezelError
 from .gpu.arbiter import GpuArbiter
 from .metrics import Metrics
-from .proxy import engine_request
 from .scheduler.policy import SlotMeasurement
 from .sessions import session_hash
 
@@ -39,7 +41,7 @@ class ModelRuntime:
 
     config: ModelConfig
     engine: Engine
-    http: httpx.AsyncClient
+    client: EngineClient
     arbiter: GpuArbiter | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     ceiling: int | None = None
@@ -105,8 +107,37 @@ class ModelRuntime:
         return slots
 
     @property
+    def slot_count(self) -> int:
+        return self.engine.parallel or self.config.parallel
+
+    @property
     def generation(self) -> int:
         return self.engine.generation
+
+    @property
+    def sole_client(self) -> bool:
+        return not self.config.external
+
+    @property
+    def ready(self) -> bool:
+        return self.engine.state.value is EngineState.READY and self.engine.base_url is not None
+
+    def hold(self) -> AbstractContextManager[None]:
+        return self.engine.in_use()
+
+    def lease(self) -> AbstractAsyncContextManager[object]:
+        return self._lease()
+
+    @asynccontextmanager
+    async def _lease(self) -> AsyncIterator[object]:
+        if self.arbiter is None:
+            yield None
+            return
+        t0 = time.perf_counter()
+        async with self.arbiter.lease(self.config.gpu_class) as lease:
+            if self.metrics is not None:
+                self.metrics.lease_wait(time.perf_counter() - t0)
+            yield lease
 
     async def ensure_resident(self) -> None:
         """Make this model's engine resident and ready (evicting others in swap mode).
@@ -124,20 +155,11 @@ class ModelRuntime:
                 self.metrics.engine_restart(self.id)
 
     async def measure_slots(self) -> SlotMeasurement | None:
-        base = self.engine.base_url
-        if base is None:
+        """``GET /slots`` as a sample (``None`` when unknown). May raise project errors."""
+        if self.engine.base_url is None:
             return None
-        try:
-            resp = await engine_request(self.http, "GET", f"{base}/slots", timeout=2.0)
-        except httpx.HTTPError:
-            return None
-        if resp.status_code != 200:
-            return None
-        try:
-            rows = resp.json()
-        except ValueError:
-            return None
-        if not isinstance(rows, list):
+        rows = await self.client.slots()
+        if rows is None:
             return None
         ids: list[int] = []
         for row in rows:
@@ -151,28 +173,14 @@ class ModelRuntime:
 
     async def erase_slot(self, slot_id: int) -> None:
         """``POST /slots/{id}?action=erase``; returns once the engine acknowledged it."""
-        base = self.engine.base_url
-        if base is None:
-            raise EngineFailed(f"engine for model {self.id!r} is not running")
         try:
-            resp = await engine_request(
-                self.http,
-                "POST",
-                f"{base}/slots/{slot_id}",
-                params={"action": "erase"},
-                timeout=5.0,
-            )
-        except httpx.HTTPError:
+            await self.client.slot_action(slot_id, "erase", answer_within=5.0)
+        except GezelError:
             if self.metrics is not None:
                 self.metrics.erase(self.id, False)
             raise
-        ok = resp.status_code == 200
         if self.metrics is not None:
-            self.metrics.erase(self.id, ok)
-        if not ok:
-            raise EngineFailed(
-                f"erase of slot {slot_id} answered {resp.status_code}: {resp.text[:200]}"
-            )
+            self.metrics.erase(self.id, True)
 
     # ------------------------------------------------------------------ KV parking
 
@@ -191,23 +199,9 @@ class ModelRuntime:
         Raises on failure (the caller then erases instead). The oldest parked
         session beyond ``max_parked`` is dropped, and its file deleted.
         """
-        base = self.engine.base_url
-        if base is None:
-            raise EngineFailed(f"engine for model {self.id!r} is not running")
         self._sync_parking()
         name = self._park_file(session)
-        resp = await engine_request(
-            self.http,
-            "POST",
-            f"{base}/slots/{slot_id}",
-            params={"action": "save"},
-            json={"filename": name},
-            timeout=30.0,
-        )
-        if resp.status_code != 200:
-            raise EngineFailed(
-                f"save of slot {slot_id} answered {resp.status_code}: {resp.text[:200]}"
-            )
+        await self.client.slot_action(slot_id, "save", filename=name)
         self._parked[session] = name
         self._parked.move_to_end(session)
         self.parking_stats["saved"] += 1
@@ -234,24 +228,15 @@ class ModelRuntime:
         A restore replaces the slot's whole content, so it also isolates the
         slot from its previous owner. Raises on an engine error.
         """
-        base = self.engine.base_url
-        if base is None or not self.is_parked(session):
+        if self.engine.base_url is None or not self.is_parked(session):
             return False
         name = self._parked[session]
-        resp = await engine_request(
-            self.http,
-            "POST",
-            f"{base}/slots/{slot_id}",
-            params={"action": "restore"},
-            json={"filename": name},
-            timeout=30.0,
-        )
-        if resp.status_code != 200:
+        try:
+            await self.client.slot_action(slot_id, "restore", filename=name)
+        except EngineFailed:
             self._parked.pop(session, None)
             self._remove_park_file(name)
-            raise EngineFailed(
-                f"restore of slot {slot_id} answered {resp.status_code}: {resp.text[:200]}"
-            )
+            raise
         self._parked.move_to_end(session)
         self.parking_stats["restored"] += 1
         return True
@@ -268,6 +253,7 @@ class ModelRuntime:
                 "calibration": self.calibration.as_dict(),
                 "benchmark": self.last_benchmark,
                 "kv_parking": {**self.parking_stats, "parked": len(self._parked)},
+                "upstream_calls": dict(self.client.calls),
             }
         )
         return stats

@@ -692,7 +692,6 @@ def test_gezel_config_is_accepted_by_the_host_config(tmp_path: Path) -> None:
         engine=engine,
         port=8123,
         affinity=False,
-        pinning=False,
         kv_parking=False,
     )
     data = tomllib.loads(text)
@@ -701,7 +700,7 @@ def test_gezel_config_is_accepted_by_the_host_config(tmp_path: Path) -> None:
     assert data["models"] == [
         {"id": "tiny", "path": str(model), "parallel": 3, "ctx_per_slot": 1024}
     ]
-    assert data["scheduler"] == {"affinity": False, "pinning": False, "kv_parking": False}
+    assert data["scheduler"] == {"affinity": False, "kv_parking": False}
     from gezel_trio.config import load_config, validate
 
     path = tmp_path / "g.toml"

@@ -31,13 +31,14 @@ import trio.lowlevel
 import trio.testing
 
 from gezel_trio.config import ModelConfig
+from gezel_trio.engine.client import EngineClient
 from gezel_trio.engine.supervisor import Engine, EngineState, SupervisorTiming, open_engine
 from gezel_trio.gpu.arbiter import GpuArbiter
 from gezel_trio.gpu.ledger import DeviceLedger, open_ledger
 from gezel_trio.host import Host
 from gezel_trio.lane import ModelRuntime
 from gezel_trio.metrics import Metrics
-from gezel_trio.scheduler import Grant, Scheduler, open_scheduler
+from gezel_trio.scheduler import Grant, Scheduler, SchedulerSettings, open_scheduler
 
 from .fakes import FakeBehaviour, FakeLauncher, fake_argv
 
@@ -151,8 +152,9 @@ class Rig:
         return self.runtimes[model].engine
 
     async def run_job(self, model: str, run: Callable[[Grant], Awaitable[T]], session: str) -> T:
-        """The host's own ``run_job`` (lease + busy engine around ``run``), on this rig."""
-        return await Host.run_job(cast(Host, self.shim), self.runtimes[model], run, session=session)
+        """``run`` inside the host's own ``async with host.slot(...)``, on this rig."""
+        async with Host.slot(cast(Host, self.shim), self.runtimes[model], session=session) as grant:
+            return await run(grant)
 
 
 TIMING = SupervisorTiming(load_timeout=10, health_interval=60, health_timeout=1, stop_grace=1)
@@ -185,12 +187,16 @@ async def open_rig(tmp: Path, *, capacity: int = 16 * RESERVE_BYTES) -> AsyncIte
                 )
             )
             config = ModelConfig(id=model_id, path=f"/fake/{model_id}.gguf", parallel=2)
+            client = EngineClient(launcher.http, engine, read_timeout=None, model_id=model_id)
             runtimes[model_id] = ModelRuntime(
-                config=config, engine=engine, http=launcher.http, arbiter=arbiter
+                config=config, engine=engine, client=client, arbiter=arbiter
             )
             arbiter.register_evictor(model_id, engine.stop, owner_id=model_id)
         scheduler = await stack.enter_async_context(
-            open_scheduler(lanes=runtimes, residency="swap", max_queue=8, slot_poll=0.05)
+            open_scheduler(
+                lanes=runtimes,
+                settings=SchedulerSettings(residency="swap", max_queue=8, slot_poll=0.05),
+            )
         )
         rig = Rig(ledger, arbiter, scheduler, launcher, runtimes)
         rig.shim = types.SimpleNamespace(scheduler=scheduler, arbiter=arbiter, metrics=Metrics())

@@ -241,7 +241,8 @@ async def test_no_conversation_sees_another_ones_state(
     assert through_host.contaminated == 0, through_host.wrong_tokens + through_host.foreign_cache
     # the sessions kept their own KV: the detector's cache side was exercised
     assert through_host.cache_hits > SESSIONS, through_host.summary()
-    assert sched.unpinned_admissions == 0 or sched.erases["ok"] > 0
+    # the handoffs between sessions were erased (or restored) before the next chat ran
+    assert sched.erases["ok"] + sched.parking["restored"] > 0, sched
 
     # negative controls: the detector flags another conversation's answer, and a cache
     # hit longer than the conversation's own history

@@ -156,11 +156,11 @@ async def test_slots_are_never_handed_over_unerased_under_load(state_dir: Path) 
                 sched = _stats(host)
     print(
         f"isolation under load: pinned {stats['pinned']}/{stats['requests']}, "
-        f"unpinned admissions {sched.unpinned_admissions}, pinned to a busy slot "
+        f"admissions {sched.admissions}, pinned to a busy slot "
         f"{stats['pinned_to_busy']}, bleeds {stats['bleeds']} {stats['bleed_examples']}, "
         f"erases {stats['erases']}, saves {stats['saves']}, restores {stats['restores']}"
     )
-    assert sched.unpinned_admissions == 0 and stats["pinned"] == stats["requests"], stats
+    assert stats["pinned"] == stats["requests"], stats  # nothing reached the engine unpinned
     assert stats["pinned_to_busy"] == 0, stats
     assert stats["bleeds"] == 0, stats
 

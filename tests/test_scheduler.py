@@ -8,9 +8,10 @@ flags a *bleed* whenever a job lands on a slot that still holds another chat's K
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -26,6 +27,7 @@ from gezel_trio.scheduler import (
     JobKind,
     Scheduler,
     SchedulerClosed,
+    SchedulerSettings,
     SlotMeasurement,
     hash_session,
     open_scheduler,
@@ -90,6 +92,7 @@ class FakeLane:
         measure: Literal["ids", "count", "none", "raise", "hang"] = "ids",
         display_name: str | None = None,
         restart_on_load: bool = True,
+        sole_client: bool = False,
     ) -> None:
         self.pool = pool
         self.model_id = model_id
@@ -101,6 +104,8 @@ class FakeLane:
         self.arrive_delay = arrive_delay
         self.measure = measure
         self.restart_on_load = restart_on_load
+        self.sole_client = sole_client
+        self.holds = 0
         self.slots = [Slot(i) for i in range(parallel)]
         self.external: set[int] = set()  # slots busy with traffic we did not schedule
         self.fail_loads = 0
@@ -120,8 +125,27 @@ class FakeLane:
         return self._parallel
 
     @property
+    def slot_count(self) -> int:
+        return len(self.slots)
+
+    @property
     def generation(self) -> int:
         return self._generation
+
+    @property
+    def ready(self) -> bool:
+        return self.model_id in self.pool.resident
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        self.holds += 1
+        try:
+            yield
+        finally:
+            self.holds -= 1
+
+    def lease(self) -> AbstractAsyncContextManager[object]:
+        return contextlib.nullcontext()  # type: ignore[return-value]
 
     def busy_count(self) -> int:
         return sum(1 for s in self.slots if s.busy is not None)
@@ -301,7 +325,8 @@ async def running(lanes: dict[str, FakeLane], **options: Any) -> AsyncIterator[H
     """A scheduler plus a nursery for the test's submitters, bounded in virtual time
     (so a test of a broken scheduler fails instead of hanging)."""
     with trio.fail_after(1000):
-        async with open_scheduler(lanes=lanes, **options) as s, trio.open_nursery() as n:
+        settings = SchedulerSettings(**options)
+        async with open_scheduler(lanes=lanes, settings=settings) as s, trio.open_nursery() as n:
             yield Harness(s, n)
 
 
@@ -479,36 +504,92 @@ async def test_capacity_respects_slots_taken_by_traffic_we_did_not_send(
     assert s.statistics().slot_polls == 0
 
 
-async def test_unknown_measurement_trusts_the_profile(
+async def test_spawned_engine_admits_from_its_table_without_sampling(
     autojump_clock: trio.testing.MockClock, pool: FakePool
 ) -> None:
-    a = FakeLane(pool, "a", parallel=2, measure="none")
+    # The host is the only client of an engine it spawned: pins come from the slot
+    # table, so even an engine whose /slots hangs serves every request pinned.
+    a = FakeLane(pool, "a", parallel=2, measure="hang", sole_client=True)
     async with running({"a": a}) as h:
-        s = h.scheduler
         t0 = trio.current_time()
-        jobs = [h.submit(a, duration=1.0) for _ in range(3)]
+        jobs = [h.submit(a, session=f"chat-{i}", duration=1.0) for i in range(3)]
     starts = sorted(r.start - t0 for r in jobs if r.start is not None)
     assert starts == [0.0, 0.0, 1.0]
-    assert all(r.grant is not None and r.grant.slot_id is None for r in jobs)
-    assert s.statistics().unpinned_admissions == 3
+    pins = [r.grant.slot_id for r in jobs if r.grant is not None]
+    assert None not in pins and set(pins) == {0, 1}
+    assert a.measure_calls == 0  # nothing on the request path
+    assert a.bleeds == [] and a.deferred == []
 
 
-async def test_failed_or_hung_measurement_trusts_the_profile(
+async def test_external_engine_without_named_ids_admits_nothing_until_it_names_them(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=2, measure="count")
+    async with running({"a": a}, slot_poll=0.25) as h:
+        s = h.scheduler
+        t0 = trio.current_time()
+        jobs = [h.submit(a, session=f"chat-{i}", duration=1.0) for i in range(3)]
+
+        async def names_its_slots_later() -> None:
+            await trio.sleep(2.0)
+            a.measure = "ids"
+
+        h.nursery.start_soon(names_its_slots_later)
+    starts = sorted(r.start - t0 for r in jobs if r.start is not None)
+    assert starts == [2.0, 2.0, 3.0]  # waited: never sent unpinned
+    assert all(r.grant is not None and r.grant.slot_id is not None for r in jobs)
+    assert s.statistics().admissions == 3 and a.bleeds == []
+
+
+async def test_failed_or_hung_measurement_of_an_external_engine_makes_jobs_wait(
     autojump_clock: trio.testing.MockClock, pool: FakePool, caplog: pytest.LogCaptureFixture
 ) -> None:
     a = FakeLane(pool, "a", parallel=2, measure="raise")
     b = FakeLane(pool, "b", parallel=2, measure="hang")
-    async with running({"a": a, "b": b}, residency="coexist", measure_timeout=2.0) as h:
+    async with running(
+        {"a": a, "b": b}, residency="coexist", measure_timeout=2.0, slot_poll=0.25
+    ) as h:
         s = h.scheduler
         t0 = trio.current_time()
         on_a = [h.submit(a, duration=1.0) for _ in range(3)]
         on_b = h.submit(b, duration=1.0)
-    assert sorted(r.start - t0 for r in on_a if r.start is not None) == [0.0, 0.0, 1.0]
-    assert on_b.start == t0 + 2.0  # the sample gave up after measure_timeout
-    assert all(r.grant is not None and r.grant.slot_id is None for r in (*on_a, on_b))
-    assert s.statistics().slot_measure_failures == s.statistics().slot_measurements >= 3
+
+        async def recover() -> None:
+            await trio.sleep(3.0)
+            a.measure = b.measure = "ids"
+
+        h.nursery.start_soon(recover)
+    assert min(r.start - t0 for r in on_a if r.start is not None) >= 3.0
+    assert on_b.start is not None and on_b.start - t0 >= 3.0
+    assert all(r.grant is not None and r.grant.slot_id is not None for r in (*on_a, on_b))
+    assert s.statistics().slot_measure_failures >= 3
     warnings = [r for r in caplog.records if "slot measurement of a failed" in r.getMessage()]
     assert len(warnings) == 1  # said once, not on every pass
+
+
+async def test_reconciliation_holds_out_a_slot_busy_with_work_the_host_did_not_send(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=2, sole_client=True)
+    async with running({"a": a}, reconcile_interval=1.0) as h:
+        s = h.scheduler
+        first = h.submit(a, session="chat-1", duration=0.5)
+        await trio.sleep(0.6)
+        a.external.add(0)  # someone else is using slot 0 behind the host's back
+        a.slots[0].kv = "intruder"
+        await trio.sleep(1.0)  # a background reconciliation ran meanwhile
+        assert s.statistics().held_out == 1
+        during = h.submit(a, session="chat-1", duration=0.5)
+        await trio.sleep(1.0)
+        a.external.clear()
+        await trio.sleep(1.5)
+        after = h.submit(a, session="chat-1", duration=0.5)
+    assert first.slot == 0
+    assert during.grant is not None and during.grant.slot_id == 1  # slot 0 held out
+    # Slot 0 came back after a reconciliation saw it idle, as unknown: it was erased.
+    assert after.grant is not None and after.grant.slot_id in (0, 1)
+    assert (0 in [slot for _, slot in a.erases]) or after.grant.slot_id == 1
+    assert a.bleeds == [] and a.deferred == []
 
 
 async def test_zero_capacity_with_nothing_of_ours_running_polls_slots(
@@ -555,23 +636,34 @@ async def test_handoff_erases_and_awaits_the_ack_before_run(
     assert again.start == t0 + 5.0 and again.cached
     assert a.bleeds == []
     stats = s.statistics()
-    assert stats.erases == {"ok": 2, "failed": 0, "skipped_same_session": 1}
+    assert stats.erases == {
+        "ok": 2,
+        "failed": 0,
+        "skipped_same_session": 1,
+        "after_keyless": 0,
+    }
     assert stats.slot_owners == {"a": {0: hash_session("chat-1")}}
 
 
-async def test_keyless_owner_is_always_erased_for_the_next_job(
+async def test_keyless_slot_is_erased_after_the_job_off_the_critical_path(
     autojump_clock: trio.testing.MockClock, pool: FakePool
 ) -> None:
-    a = FakeLane(pool, "a", parallel=1)
+    a = FakeLane(pool, "a", parallel=1, erase_time=0.25)
     async with running({"a": a}) as h:
         s = h.scheduler
+        t0 = trio.current_time()
         k1 = h.submit(a, duration=1.0, label="k1")
         k2 = h.submit(a, at=2.0, duration=1.0, label="k2")
         s1 = h.submit(a, at=4.0, session="chat", duration=1.0, label="s1")
-    grants = [r.grant for r in (k1, k2, s1)]
-    assert [g.erased if g else None for g in grants] == [False, True, True]
+        k3 = h.submit(a, at=4.5, duration=1.0, label="k3")  # queued behind s1
+    grants = [r.grant for r in (k1, k2, s1, k3)]
+    # Each keyless job's slot was erased as it ended, so nobody waits for an erase
+    # before its own request, except k3, queued while s1's slot needed one.
+    assert [g.prepare_calls if g else None for g in grants] == [0, 0, 0, 1]
+    assert [t - t0 for t, _ in a.erases] == [1.25, 3.25, 5.25]
+    assert (k2.start, s1.start) == (t0 + 2.0, t0 + 4.0)
     assert a.bleeds == []
-    assert s.statistics().erases["ok"] == 2
+    assert s.statistics().erases["after_keyless"] == 2
 
 
 async def test_new_engine_generation_forgets_owners(
@@ -590,28 +682,28 @@ async def test_new_engine_generation_forgets_owners(
     assert a.erases == [] and a.bleeds == []
 
 
-async def test_turn_switch_forgets_the_outgoing_models_owners(
+async def test_turn_switch_keeps_the_outgoing_models_table(
     autojump_clock: trio.testing.MockClock, pool: FakePool
 ) -> None:
-    # restart_on_load=False: the fake keeps a's KV across the switch, as an engine
-    # the pool did not actually restart would. Forgetting must then mean "erase on
-    # first use", never "fresh".
-    a = FakeLane(pool, "a", parallel=1, restart_on_load=False)
-    b = FakeLane(pool, "b", parallel=1, restart_on_load=False)
+    # restart_on_load=False: the engine was not restarted by the switch, and nobody
+    # else touched its slots, so chat-1's KV is still there when a comes back.
+    a = FakeLane(pool, "a", parallel=1, restart_on_load=False, sole_client=True)
+    b = FakeLane(pool, "b", parallel=1, restart_on_load=False, sole_client=True)
     async with running({"a": a, "b": b}) as h:
         s = h.scheduler
         h.submit(a, session="chat-1", duration=1.0)
         await trio.sleep(1.5)
-        assert "a" in s.statistics().slot_owners
         h.submit(b, session="chat-1", duration=1.0)
         await trio.sleep(0.5)
-        assert "a" not in s.statistics().slot_owners  # forgotten at the switch
-        back = h.submit(a, at=1.0, session="chat-2", duration=1.0)
-    assert back.grant is not None and back.grant.erased
+        assert s.statistics().slot_owners["a"] == {0: hash_session("chat-1")}
+        back = h.submit(a, at=1.0, session="chat-1", duration=1.0)
+        other = h.submit(a, at=3.0, session="chat-2", duration=1.0)
+    assert back.grant is not None and not back.grant.erased and back.cached
+    assert other.grant is not None and other.grant.erased
     assert a.bleeds == [] and b.bleeds == []
 
 
-async def test_failed_erase_is_counted_and_never_fails_the_job(
+async def test_failed_erase_fails_the_request_and_leaves_the_slot_unknown(
     autojump_clock: trio.testing.MockClock, pool: FakePool
 ) -> None:
     a = FakeLane(pool, "a", parallel=1)
@@ -623,12 +715,18 @@ async def test_failed_erase_is_counted_and_never_fails_the_job(
         handoff = h.submit(a, session="chat-2", duration=1.0)
         await trio.sleep(2.0)
         a.erase_error = None
-        # The failed erase left the slot's content unknown: even chat-2 erases it now.
-        again = h.submit(a, session="chat-2", duration=1.0)
-    assert handoff.error is None and handoff.end is not None
-    assert handoff.grant is not None and not handoff.grant.erased
-    assert again.grant is not None and again.grant.erased
-    assert s.statistics().erases == {"ok": 1, "failed": 1, "skipped_same_session": 0}
+        # The failed erase left the slot's content unknown: even chat-1 erases it now.
+        again = h.submit(a, session="chat-1", duration=1.0)
+    assert isinstance(handoff.error, EngineFailed) and handoff.start is None  # never sent
+    assert "did not acknowledge the erase" in str(handoff.error)
+    assert again.grant is not None and again.grant.erased and not again.cached
+    assert s.statistics().erases == {
+        "ok": 1,
+        "failed": 1,
+        "skipped_same_session": 0,
+        "after_keyless": 0,
+    }
+    assert a.bleeds == []
 
 
 async def test_forget_slots_without_restart_erases_on_first_use(
@@ -745,20 +843,7 @@ async def test_pins_are_distinct_and_skip_slots_of_jobs_not_yet_at_the_engine(
     pins = [r.grant.slot_id for r in (*burst, late) if r.grant is not None]
     assert len(pins) == 3 and len(set(pins)) == 3 and None not in pins
     assert a.deferred == []  # nobody was pinned to a slot another job took
-    assert s.statistics().unpinned_admissions == 0
-
-
-async def test_no_pin_when_the_engine_reports_only_a_count(
-    autojump_clock: trio.testing.MockClock, pool: FakePool
-) -> None:
-    a = FakeLane(pool, "a", parallel=2, measure="count")
-    async with running({"a": a}) as h:
-        s = h.scheduler
-        jobs = [h.submit(a, session=f"chat-{i}", duration=1.0) for i in range(3)]
-    assert [r.grant.slot_id if r.grant else "x" for r in jobs] == [None, None, None]
-    stats = s.statistics()
-    assert stats.unpinned_admissions == 3 and stats.admissions == 3
-    assert stats.slot_owners == {}  # the engine picked the slots: nothing recorded
+    assert s.statistics().admissions == 3
 
 
 # --------------------------------------------------------------------------- cancellation

@@ -24,21 +24,26 @@ from gezel_trio.scheduler.policy import (
     RunExclusive,
     SchedulerPolicy,
     SlotMeasurement,
-    SlotOwners,
     _JobDeque,
     admission_capacity,
     choose_slot,
-    free_slot_ids,
-    hash_session,
 )
+from gezel_trio.scheduler.slots import SlotTable
 
 
 @dataclass
 class Lane:
+    """An external engine by default: admissions consume the driver's samples."""
+
     model_id: str
     parallel: int = 2
     generation: int = 1
     display_name: str = ""
+    sole_client: bool = False
+
+    @property
+    def slot_count(self) -> int:
+        return self.parallel
 
 
 Measure = Callable[[str], SlotMeasurement | None]
@@ -102,10 +107,8 @@ class Driver:
         self.started.extend(started)
         return started
 
-    def settle(self, job: Job, *, ran: bool = True, erase_ok: bool | None = None) -> None:
+    def settle(self, job: Job, *, ran: bool = True) -> None:
         job.ran = ran
-        if job.erase:
-            job.erase_ok = True if erase_ok is None else erase_ok
         self.policy.settle(job, now=self.now)
 
 
@@ -135,69 +138,29 @@ def test_admission_capacity_is_min_never_both_subtracted(
     assert admission_capacity(parallel, running, measured) == expected
 
 
-def test_free_slot_ids_excludes_pins_and_needs_named_ids() -> None:
-    assert free_slot_ids(SlotMeasurement(3, (0, 1, 2)), frozenset({1})) == [0, 2]
-    assert free_slot_ids(SlotMeasurement(3), frozenset()) is None
-    assert free_slot_ids(None, frozenset()) is None
-
-
 # --------------------------------------------------------------------------- ownership
 
 
-def test_slot_owners_decide_erases() -> None:
-    owners = SlotOwners()
-    owners.sync(1)
-    assert not owners.needs_erase(0, "s1")  # fresh
-    owners.record(0, "s1")
-    assert not owners.needs_erase(0, "s1")  # same session keeps its KV
-    assert owners.needs_erase(0, "s2")
-    assert owners.needs_erase(0, None)
-    owners.record(1, None)  # keyless
-    assert owners.needs_erase(1, None) and owners.needs_erase(1, "s1")
-    owners.mark_clean(1)
-    assert not owners.needs_erase(1, "s2")
-    assert owners.sync(1) is False and owners.owner(0) == "s1"
-    assert owners.sync(2) is True  # engine restarted: every slot fresh
-    assert not owners.needs_erase(0, "s2") and len(owners) == 0
-
-
-def test_forget_without_restart_erases_each_slot_once() -> None:
-    owners = SlotOwners()
-    owners.sync(1)
-    owners.record(0, "s1")
-    owners.forget()
-    assert len(owners) == 0 and owners.tainted
-    assert owners.needs_erase(0, "s1") and owners.needs_erase(3, None)
-    owners.record(0, "s2")
-    assert not owners.needs_erase(0, "s2")
-    owners.mark_clean(3)
-    assert not owners.needs_erase(3, "s9")
-    owners.sync(2)
-    assert not owners.tainted and not owners.needs_erase(5, "x")
-
-
-def test_slot_owners_snapshot_hashes_sessions() -> None:
-    owners = SlotOwners()
-    owners.sync(1)
-    owners.record(1, "key-123")
-    owners.record(0, None)
-    assert owners.snapshot() == {0: None, 1: hash_session("key-123")}
-    assert "key-123" not in repr(owners.snapshot())
+def _owned(table: SlotTable, slot: int, session: str | None) -> None:
+    job = object()
+    table.pin(slot, job)
+    table.sending(slot, job)
+    table.completed(slot, job, session)
+    table.unpin(slot, job)
 
 
 def test_choose_slot_prefers_own_then_fresh_then_unwanted_lru() -> None:
-    owners = SlotOwners()
-    owners.sync(1)
-    owners.record(0, "s0")
-    owners.record(1, "s1")
-    owners.record(2, "s1")
-    owners.record(0, "s0")  # slot 0 used most recently
-    assert choose_slot([0, 1, 2, 3], session="s1", owners=owners) == 2  # own, most recent
-    assert choose_slot([0, 1, 3], session="s9", owners=owners) == 3  # fresh: no erase
+    table = SlotTable(4, generation=1)
+    _owned(table, 0, "s0")
+    _owned(table, 1, "s1")
+    _owned(table, 2, "s1")
+    _owned(table, 0, "s0")  # slot 0 used most recently
+    assert choose_slot([0, 1, 2, 3], session="s1", table=table) == 2  # own, most recent
+    assert choose_slot([0, 1, 3], session="s9", table=table) == 3  # fresh: no erase
     # no fresh slot: the owner with no waiting job, least recently used first
-    assert choose_slot([0, 1], session="s9", owners=owners) == 1
-    assert choose_slot([0, 1], session="s9", owners=owners, wanted=lambda s: s == "s1") == 0
-    assert choose_slot([], session="s1", owners=owners) is None
+    assert choose_slot([0, 1], session="s9", table=table) == 1
+    assert choose_slot([0, 1], session="s9", table=table, wanted=lambda s: s == "s1") == 0
+    assert choose_slot([], session="s1", table=table) is None
 
 
 # --------------------------------------------------------------------------- turns
@@ -331,12 +294,13 @@ def test_affinity_runs_slot_holders_first_then_fifo() -> None:
     started = d.step()
     assert started == [s2b, s1b]  # slot holders first, FIFO among them
     assert [j.slot_id for j in started] == [1, 0]  # each on its own slot
-    assert not any(j.erase for j in started)
+    table = d.policy.table("a")
+    assert all(table.safe_for(j.slot_id, j.session) for j in started if j.slot_id is not None)
     for job in started:
         d.settle(job)
     started = d.step()
     assert started == [k1, x1]  # then FIFO, keyless included
-    assert all(j.erase for j in started)
+    assert not any(table.safe_for(j.slot_id, j.session) for j in started if j.slot_id is not None)
     for job in started:
         d.settle(job)
     assert d.step() == [k2]
@@ -368,75 +332,72 @@ def test_pins_are_distinct_and_exclude_running_pins() -> None:
     assert [j.slot_id for j in got] == [0]
 
 
-def test_no_pin_without_ids_and_no_admission_beyond_the_named_pool() -> None:
+def test_no_admission_without_named_ids_nor_beyond_the_named_pool() -> None:
     d = Driver("a", parallel=3)
     d.measure = lambda model: SlotMeasurement(idle=2)  # a count, no per-slot rows
     first = [d.submit("a"), d.submit("a")]
-    assert d.step() == first
-    assert [j.slot_id for j in first] == [None, None]
-    for job in first:
-        d.settle(job)
+    assert d.step() == []  # nothing can be pinned: nothing is sent
     d.measure = lambda model: SlotMeasurement(idle=2, ids=(2,))  # names fewer than it counts
-    second = [d.submit("a"), d.submit("a")]
     # Only as many jobs as there are nameable slots: an unpinned job would land on
     # whatever slot the engine picks, possibly one holding another chat's KV.
-    assert d.step() == second[:1]
-    assert second[0].slot_id == 2 and second[1].slot_id is None
-    assert d.policy.unpinned_admissions == 2
+    assert d.step() == first[:1]
+    assert first[0].slot_id == 2 and first[1].state is JobState.QUEUED
 
 
-def test_unpinned_job_taints_the_owner_map() -> None:
+def test_a_spawned_engine_admits_from_its_table_without_a_sample() -> None:
+    d = Driver("a", parallel=2)
+    d.lanes["a"].sole_client = True
+    d.measure = lambda model: None  # never consulted
+    jobs = [d.submit("a", f"s{i}") for i in range(3)]
+    assert d.step() == jobs[:2]
+    assert sorted(j.slot_id for j in jobs[:2] if j.slot_id is not None) == [0, 1]
+    d.settle(jobs[0])
+    assert d.step() == [jobs[2]] and jobs[2].slot_id == jobs[0].slot_id
+
+
+def test_an_any_slot_job_waits_for_every_slot_and_leaves_them_unknown() -> None:
+    d = Driver("a", parallel=2)
+    d.lanes["a"].sole_client = True
+    chat = d.submit("a", "s1")
+    embed = Job(model_id="a", any_slot=True, needs_slot=False)
+    d.policy.enqueue(embed, now=0.0)
+    later = d.submit("a", "s2")
+    assert d.step() == [chat]  # the embedding waits: one slot is pinned
+    d.settle(chat)
+    assert d.step() == [embed]
+    table = d.policy.table("a")
+    assert embed.slot_id is None and table.free() == []
+    d.settle(embed)
+    assert [table.content(i).value for i in range(2)] == ["unknown", "unknown"]
+    assert d.step() == [later]
+
+
+@pytest.mark.parametrize(("ran", "expect_owner"), [(True, "s2"), (False, "s1")])
+def test_settle_records_what_the_slot_holds(ran: bool, expect_owner: str) -> None:
+    d = Driver("a", parallel=1)
+    s1 = d.submit("a", "s1")
+    d.step()
+    d.settle(s1)
+    s2 = d.submit("a", "s2")
+    d.step()
+    d.settle(s2, ran=ran)  # not ran: nothing was sent, the slot still holds s1's KV
+    table = d.policy.table("a")
+    assert table.owner(0) == expect_owner
+    assert table.free() == [0]
+
+
+def test_an_engine_restart_makes_every_slot_fresh_and_keeps_running_pins() -> None:
     d = Driver("a", parallel=2)
     s1 = d.submit("a", "s1")
     d.step()
-    d.settle(s1)
-    assert d.policy.owners_of("a").owner(0) == "s1"
-    d.measure = lambda model: None
-    k = d.submit("a")
-    d.step()
-    assert k.slot_id is None
-    d.settle(k)
-    d.measure = d.engine_view
-    s1b = d.submit("a", "s1")
-    d.step()
-    assert s1b.slot_id == 0 and s1b.erase  # the keyless job may have landed on slot 0
-
-
-@pytest.mark.parametrize(
-    ("ran", "erase_ok", "expect_owner", "expect_erase_next"),
-    [
-        (True, True, "s2", False),  # handoff done: s2 owns the slot
-        (True, False, None, True),  # erase failed, job ran: content unknown
-        (False, True, None, False),  # erased, never ran: clean
-        (False, False, "s1", True),  # erase not acknowledged: still s1's KV
-    ],
-)
-def test_settle_records_ownership(
-    ran: bool, erase_ok: bool, expect_owner: str | None, expect_erase_next: bool
-) -> None:
-    d = Driver("a", parallel=1)
-    s1 = d.submit("a", "s1")
-    d.step()
-    d.settle(s1)
-    s2 = d.submit("a", "s2")
-    d.step()
-    assert s2.erase
-    d.settle(s2, ran=ran, erase_ok=erase_ok)
-    owners = d.policy.owners_of("a")
-    assert owners.owner(0) == expect_owner
-    assert owners.needs_erase(0, "s2") is expect_erase_next
-
-
-def test_nothing_is_recorded_across_an_engine_restart() -> None:
-    d = Driver("a", parallel=1)
-    s1 = d.submit("a", "s1")
-    d.step()
     d.lanes["a"].generation += 1
+    table = d.policy.table("a")
+    assert table.pinned_to(0) is s1 and table.content(0).value == "fresh"
     d.settle(s1)
-    assert len(d.policy.owners_of("a")) == 0
+    assert table.owner(0) == "s1"  # conservative: it may have reached the new engine
     s2 = d.submit("a", "s2")
     d.step()
-    assert not s2.erase
+    assert s2.slot_id == 1  # the fresh slot: no erase needed
 
 
 def test_erase_on_handoff_off_tracks_but_never_erases() -> None:
@@ -446,9 +407,10 @@ def test_erase_on_handoff_off_tracks_but_never_erases() -> None:
     d.settle(s1)
     s2 = d.submit("a", "s2")
     d.step()
-    assert not s2.erase
+    table = d.policy.table("a")
+    assert not table.preparation(0, "s2", erase_on_handoff=False).erase
     d.settle(s2)
-    assert d.policy.owners_of("a").owner(0) == "s2"
+    assert table.owner(0) == "s2"
 
 
 # --------------------------------------------------------------------------- queue
@@ -586,7 +548,7 @@ def test_policy_invariants_hold_under_any_sequence(
         elif kind == "settle":
             running = [j for j in jobs if j.state is JobState.RUNNING]
             if running:
-                d.settle(running[op[1] % len(running)], ran=bool(op[2]), erase_ok=bool(op[3]))
+                d.settle(running[op[1] % len(running)], ran=bool(op[2]))
         elif kind == "step":
             d.step(fail_loads=frozenset({"c"}) if op[1] else frozenset())
         elif kind == "restart":

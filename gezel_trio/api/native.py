@@ -29,10 +29,9 @@ from typing import Any
 
 from quart import Blueprint, Response, current_app, request
 
-from ..engine.supervisor import EngineState
+from ..engine.client import UpstreamResult
 from ..errors import EngineCrashed, FieldError
-from ..host import Grant, Host, ModelRuntime
-from ..proxy import UpstreamResult, forward
+from ..host import Host, ModelRuntime
 from .metrics_endpoint import note_model
 from .relay import proxy_completion
 from .validation import read_json_object
@@ -80,27 +79,15 @@ async def _engine_call(
     check and the call, is made resident through the scheduler first.
     Cancellation closes the upstream connection.
     """
-    engine = runtime.engine
-    timeout = host.config.engine.request_timeout
-
-    async def call(_grant: Grant | None = None) -> UpstreamResult:
-        assert engine.base_url is not None
-        return await forward(
-            host.http,
-            method,
-            engine.base_url + path,
-            body=body,
-            read_timeout=timeout,
-            crashed=engine.crash_error,
-        )
-
-    if engine.state.value is EngineState.READY and engine.base_url is not None:
+    if runtime.ready:
         try:
-            with engine.in_use():
-                return await call()
+            with runtime.hold():
+                return await runtime.client.forward(method, path, body=body)
         except EngineCrashed:
             pass  # evicted or restarted meanwhile: go the long way once
-    return await host.run_job(runtime, call, session=None)
+    async with host.slot(runtime, needs_slot=False):
+        result = await runtime.client.forward(method, path, body=body)
+    return result
 
 
 def _answer(result: UpstreamResult) -> Response:

@@ -17,11 +17,10 @@ from typing import Any
 from quart import Blueprint, Response, current_app
 
 from ..errors import FieldError
-from ..host import Grant, Host
-from ..proxy import forward
+from ..host import Host
 from .errors import json_response
 from .metrics_endpoint import note_model
-from .relay import proxy_completion
+from .relay import ModelRename, proxy_completion, requested_model
 from .validation import read_json_object
 
 bp = Blueprint("openai", __name__)
@@ -81,11 +80,14 @@ def _valid_embedding_input(inp: object) -> bool:
 
 @bp.post("/v1/embeddings")
 async def embeddings() -> Response:
-    """Embeddings from a model whose engine serves them; scheduled like a completion.
+    """Embeddings from a model whose engine serves them.
 
     The engine places each input on a slot of its own choosing (llama-server
-    ignores ``id_slot`` for embeddings), so an embedding model is best kept
-    apart from chat models.
+    ignores ``id_slot`` for embeddings), so the request waits until it can hold
+    every slot of the engine, and leaves them all unknown (erased before the
+    next chat uses one): an embedding never lands on a chat's KV, nor leaves
+    its text where a chat could reuse it. Keep embedding models apart from chat
+    models for throughput.
     """
     host = _host()
     body = await read_json_object()
@@ -99,24 +101,14 @@ async def embeddings() -> Response:
             "(set embeddings = true in its [[models]] entry)",
         )
     upstream = {k: v for k, v in body.items() if k != "id_slot"}
-
-    async def run(_grant: Grant) -> Response:
-        engine = runtime.engine
-        assert engine.base_url is not None
-        result = await forward(
-            host.http,
-            "POST",
-            engine.base_url + "/v1/embeddings",
-            body=upstream,
-            read_timeout=host.config.engine.request_timeout,
-            crashed=engine.crash_error,
-        )
-        return Response(
-            result.content, status=result.head.status, content_type=result.head.content_type
-        )
-
-    # Keyless: an embedding leaves no chat KV behind worth keeping.
-    return await host.run_job(runtime, run, session=None)
+    rename = ModelRename(requested_model(body, runtime), None)
+    async with host.slot(runtime, any_slot=True):
+        result = await runtime.client.forward("POST", "/v1/embeddings", body=upstream)
+    return Response(
+        rename.body(result.content),
+        status=result.head.status,
+        content_type=result.head.content_type,
+    )
 
 
 @bp.get("/v1/models")

@@ -1,14 +1,23 @@
-"""Proxy one completion through the scheduler to its engine, streaming or not.
+"""Proxy one completion through a slot of its engine, streaming or not.
 
-Streaming: the job (admitted by the scheduler) pushes the engine's head and
-then raw SSE chunks into a small memory channel; the response body reads from
-it. A client that disconnects closes the body, which cancels the job, which
-closes the upstream response: llama-server stops generating. An engine that
-fails mid-stream produces one SSE ``error`` event, then the end of the stream.
+Both shapes hold their slot with ``async with host.slot(...)`` for exactly as
+long as the engine works on the request, and send it through the model's
+:class:`~gezel_trio.engine.client.EngineClient`.
+
+Streaming: a task in the host's nursery holds the slot and pushes the engine's
+head and then raw SSE chunks into a small memory channel; the response body
+reads from it. A client that disconnects closes the body, which cancels the
+task, which closes the upstream response: llama-server stops generating. An
+engine that fails mid-stream produces one SSE ``error`` event, then the end of
+the stream.
+
+The response's ``model`` is the id the client asked for (the engine names the
+model by its alias, which is the model id for engines the host spawns).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -16,9 +25,9 @@ from typing import Any
 import trio
 from quart import Response, g, request
 
+from ..engine.client import UpstreamHead, sse_error_event
 from ..errors import EngineCrashed, FieldError, GezelError
 from ..host import Grant, Host, ModelRuntime
-from ..proxy import UpstreamHead, forward, relay_stream, sse_error_event
 from ..sessions import session_hash
 from .errors import response_for
 from .validation import check_completion_body
@@ -49,6 +58,70 @@ def upstream_body(body: dict[str, Any], grant: Grant) -> dict[str, Any]:
     return out
 
 
+def requested_model(body: dict[str, Any], runtime: ModelRuntime) -> str:
+    """The model name the client sent (the runtime's id when it sent none)."""
+    named = body.get("model")
+    return named if isinstance(named, str) and named else runtime.id
+
+
+class ModelRename:
+    """Rewrites the ``model`` field of an engine's answer to the name the client sent.
+
+    A spawned engine already answers with the model id (``--alias``), so most
+    answers pass through untouched; otherwise the engine's own name is learned
+    from its first answer and replaced byte-wise in every SSE chunk (an event
+    split across two reads keeps the engine's name).
+    """
+
+    __slots__ = ("_engine_field", "_wanted", "_wanted_field")
+
+    def __init__(self, wanted: str, engine_name: str | None) -> None:
+        self._wanted = wanted
+        self._wanted_field = _model_field(wanted)
+        self._engine_field = None if engine_name is None else _model_field(engine_name)
+
+    def body(self, content: bytes) -> bytes:
+        """A whole JSON answer."""
+        if self._wanted_field in content or b'"model"' not in content:
+            return content
+        try:
+            data = json.loads(content)
+        except ValueError:
+            return content
+        if not isinstance(data, dict) or not isinstance(data.get("model"), str):
+            return content
+        data["model"] = self._wanted
+        return json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()
+
+    def chunk(self, chunk: bytes) -> bytes:
+        """One SSE chunk."""
+        if self._engine_field is None:
+            if b'"model"' not in chunk or self._wanted_field in chunk:
+                return chunk
+            self._engine_field = _learn_model_field(chunk)
+            if self._engine_field is None:
+                return chunk
+        if self._engine_field == self._wanted_field:
+            return chunk
+        return chunk.replace(self._engine_field, self._wanted_field)
+
+
+def _model_field(name: str) -> bytes:
+    return b'"model":' + json.dumps(name, ensure_ascii=False).encode()
+
+
+def _learn_model_field(chunk: bytes) -> bytes | None:
+    for line in chunk.split(b"\n"):
+        if line.startswith(b"data: {"):
+            try:
+                data = json.loads(line[6:])
+            except ValueError:
+                continue
+            if isinstance(data, dict) and isinstance(data.get("model"), str):
+                return _model_field(data["model"])
+    return None
+
+
 def _check_limits(runtime: ModelRuntime, body: dict[str, Any]) -> None:
     runtime.check_token_ids(body.get("prompt"), "prompt")
     ctx = runtime.config.ctx_per_slot
@@ -67,63 +140,55 @@ async def proxy_completion(host: Host, body: dict[str, Any], path: str, *, kind:
     runtime = host.resolve_model(body.get("model"))
     _check_limits(runtime, body)
     session = session_of(body)
+    rename = ModelRename(
+        requested_model(body, runtime), None if runtime.config.external else runtime.id
+    )
     if body.get("stream") is True:
-        return await _stream(host, runtime, body, path, session)
-    return await _unary(host, runtime, body, path, session)
-
-
-def _read_timeout(host: Host) -> float:
-    return host.config.engine.request_timeout
+        return await _stream(host, runtime, body, path, session, rename)
+    return await _unary(host, runtime, body, path, session, rename)
 
 
 async def _unary(
-    host: Host, runtime: ModelRuntime, body: dict[str, Any], path: str, session: str | None
+    host: Host,
+    runtime: ModelRuntime,
+    body: dict[str, Any],
+    path: str,
+    session: str | None,
+    rename: ModelRename,
 ) -> Response:
-
-    async def run(grant: Grant) -> tuple[Response, Grant]:
-        assert runtime.engine.base_url is not None
-        result = await forward(
-            host.http,
-            "POST",
-            runtime.engine.base_url + path,
-            body=upstream_body(body, grant),
-            read_timeout=_read_timeout(host),
-            crashed=runtime.engine.crash_error,
+    async with host.slot(runtime, session=session) as grant:
+        result = await runtime.client.forward(
+            "POST", path, body=upstream_body(body, grant), slot=grant.slot_id
         )
-        resp = Response(
-            result.content, status=result.head.status, content_type=result.head.content_type
-        )
-        return resp, grant
-
-    resp, grant = await host.run_job(runtime, run, session=session)
     _note_for_log(session, grant)
-    return resp
+    return Response(
+        rename.body(result.content),
+        status=result.head.status,
+        content_type=result.head.content_type,
+    )
 
 
 async def _stream(
-    host: Host, runtime: ModelRuntime, body: dict[str, Any], path: str, session: str | None
+    host: Host,
+    runtime: ModelRuntime,
+    body: dict[str, Any],
+    path: str,
+    session: str | None,
+    rename: ModelRename,
 ) -> Response:
     send, recv = trio.open_memory_channel[UpstreamHead | bytes](32)
     scope = trio.CancelScope()
     outcome: dict[str, Any] = {"error": None, "grant": None}
 
-    async def job(grant: Grant) -> None:
-        outcome["grant"] = grant
-        assert runtime.engine.base_url is not None
-        await relay_stream(
-            host.http,
-            runtime.engine.base_url + path,
-            upstream_body(body, grant),
-            send,
-            read_timeout=_read_timeout(host),
-            crashed=runtime.engine.crash_error,
-        )
-
     async def runner() -> None:
         async with send:
             with scope:
                 try:
-                    await host.run_job(runtime, job, session=session)
+                    async with host.slot(runtime, session=session) as grant:
+                        outcome["grant"] = grant
+                        await runtime.client.stream(
+                            path, upstream_body(body, grant), send, slot=grant.slot_id
+                        )
                 except GezelError as exc:
                     outcome["error"] = exc
                 except Exception as exc:  # a bug: never leave the client hanging
@@ -174,7 +239,7 @@ async def _stream(
                                 break
                             if isinstance(more, bytes):
                                 parts.append(more)
-                        yield parts[0] if len(parts) == 1 else b"".join(parts)
+                        yield rename.chunk(parts[0] if len(parts) == 1 else b"".join(parts))
             finally:
                 scope.cancel()
 
@@ -197,4 +262,5 @@ def _note_for_log(session: str | None, grant: Grant | None) -> None:
         "session": session_hash(session),
         "slot": grant.slot_id if grant else None,
         "queue_wait_ms": round(grant.queue_wait_s * 1000, 2) if grant else None,
+        "prepare_calls": grant.prepare_calls if grant else None,
     }

@@ -7,8 +7,8 @@ Kinds that launch a server (all on the same binary, model and slot count):
 - ``router``: llama-server's router mode (``--models-dir`` holding the model), where
   the binary supports it (``--help`` lists ``--models-dir``), else skipped;
 - ``gezel``: ``gezel-trio serve --config`` with a generated TOML (affinity and slot
-  pinning on), ``gezel-noaffinity`` with both off, and ``gezel-noparking`` (affinity
-  and pinning on, KV parking off: a handoff erases).
+  every request pinned), ``gezel-noaffinity`` with affinity off, and ``gezel-noparking``
+  (affinity on, KV parking off: a handoff erases).
 
 :func:`open_target` launches one in its own process group, waits for it to answer,
 yields an :class:`Endpoint`, and on exit (normal, error or cancellation) stops the
@@ -183,13 +183,11 @@ def gezel_config_toml(
     engine: EngineCommand,
     port: int,
     affinity: bool,
-    pinning: bool,
     kv_parking: bool = True,
 ) -> str:
     """The ``gezel-trio serve`` config of a benchmark target (the one place its shape
     lives): one model with the benchmark's slots and per-slot context."""
     b = "true" if affinity else "false"
-    p = "true" if pinning else "false"
     return "\n".join(
         [
             "[server]",
@@ -207,7 +205,6 @@ def gezel_config_toml(
             "",
             "[scheduler]",
             f"affinity = {b}",
-            f"pinning = {p}",
             f"kv_parking = {'true' if kv_parking else 'false'}",
             "",
         ]
@@ -414,14 +411,13 @@ async def open_target(
             engine=engine,
             port=port,
             affinity=on,
-            pinning=on,
             kv_parking=parking,
         )
         config_path = settings.workdir / f"{name}.toml"
         config_path.write_text(config, encoding="utf-8")
         argv = gezel_serve_argv(config_path)
         env["GEZEL_LLAMA_SERVER"] = str(engine.path)
-        description.update(argv=argv, config=config, affinity=on, pinning=on, kv_parking=parking)
+        description.update(argv=argv, config=config, affinity=on, kv_parking=parking)
         async with _launched(
             argv,
             env,

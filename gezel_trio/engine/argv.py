@@ -62,8 +62,12 @@ def build_argv(
     user_args: Sequence[str] = (),
     n_gpu_layers: int | None = None,
     embeddings: bool = False,
+    alias: str | None = None,
 ) -> LaunchProfile:
-    """The full argv. Raises :class:`ConfigError` if the user's args try to move host or port."""
+    """The full argv. Raises :class:`ConfigError` if the user's args try to move host or port.
+
+    ``alias`` (the model id) is what the engine names its model in responses.
+    """
     for flag, what in _RESERVED.items():
         if any(a == flag or a.startswith(flag + "=") for a in user_args):
             raise ConfigError(
@@ -87,6 +91,8 @@ def build_argv(
         "--metrics",
         "--no-webui",
     ]
+    if alias is not None:
+        argv += ["--alias", alias]
     if n_gpu_layers is not None:
         argv += ["--n-gpu-layers", str(n_gpu_layers)]
     if embeddings:

@@ -24,7 +24,7 @@ from typing import Any, Literal
 import httpx
 import trio
 
-from ..proxy import engine_request
+from .client import request_once
 
 __all__ = [
     "NEAR_TIE_MARGIN",
@@ -128,7 +128,7 @@ def _margins(body: dict[str, Any]) -> tuple[float | None, ...]:
 async def _complete(
     client: httpx.AsyncClient, url: str, prompt: list[int], *, n_predict: int, seed: int
 ) -> _Answer:
-    r = await engine_request(
+    r = await request_once(
         client,
         "POST",
         url,
@@ -157,7 +157,7 @@ async def _complete(
 
 async def _prompt_pool(client: httpx.AsyncClient, base: str) -> list[int]:
     """Token ids the model surely has: the probe text tokenized by the engine itself."""
-    r = await engine_request(
+    r = await request_once(
         client, "POST", base + "/tokenize", json={"content": _PROBE_TEXT, "add_special": False}
     )
     if r.status_code != 200:

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from ..errors import EngineFailed
-from ..proxy import engine_request
+from .client import request_once
 
 
 async def measure_speed(
@@ -29,7 +29,7 @@ async def measure_speed(
     rng = random.Random(seed)
     hi = max(300, (vocab_size or 1000) - 1)
     prompt = [rng.randrange(256, hi) for _ in range(prompt_tokens)]
-    resp = await engine_request(
+    resp = await request_once(
         client,
         "POST",
         base_url + "/completion",

@@ -1,16 +1,20 @@
 """The scheduler: every request into the right engine slot, fairly, with no cross-chat KV.
 
 :mod:`.policy` holds the pure rules (queue ordering, turns, fairness, capacity,
-slot ownership, pinning); :mod:`.dispatcher` is the Trio layer
-(:func:`open_scheduler`).
+pinning); :mod:`.slots` the slot table (what each slot holds, who is pinned to
+it); :mod:`.dispatcher` is the Trio layer (:func:`open_scheduler`,
+``async with scheduler.slot(...)``).
 """
 
 from __future__ import annotations
 
 from gezel_trio.scheduler.dispatcher import (
     EngineLane,
+    ParkingLane,
     Scheduler,
     SchedulerClosed,
+    SchedulerSettings,
+    SlotRequest,
     open_scheduler,
 )
 from gezel_trio.scheduler.policy import (
@@ -24,26 +28,30 @@ from gezel_trio.scheduler.policy import (
     SchedulerPolicy,
     SchedulerStats,
     SlotMeasurement,
-    SlotOwners,
     admission_capacity,
     hash_session,
 )
+from gezel_trio.scheduler.slots import Content, SlotTable
 
 __all__ = [
     "EXCLUSIVE_KINDS",
     "JOB_KINDS",
     "ActiveOp",
+    "Content",
     "EngineLane",
     "Grant",
     "JobKind",
     "LaneInfo",
+    "ParkingLane",
     "Residency",
     "Scheduler",
     "SchedulerClosed",
     "SchedulerPolicy",
+    "SchedulerSettings",
     "SchedulerStats",
     "SlotMeasurement",
-    "SlotOwners",
+    "SlotRequest",
+    "SlotTable",
     "admission_capacity",
     "hash_session",
     "open_scheduler",

@@ -1,25 +1,36 @@
-"""The Trio layer of the scheduler: one dispatcher task, jobs as tasks in its nursery.
+"""The Trio layer of the scheduler: one dispatcher task, and slots held by their callers.
 
-``open_scheduler()`` owns a nursery with one dispatcher task. Every event that
-can change a decision (a submit, a job settling, a model becoming resident, a
-``/slots`` sample arriving, the slot poll) sets the dispatcher's wake event; the
-dispatcher yields once (so a burst of submits in the same tick shares one turn),
-then runs a *pass*: it asks :class:`~gezel_trio.scheduler.policy.SchedulerPolicy`
-what to do from scratch and does it. The pass is the only place a job is
-started, and it never awaits: engine loads (``ensure_resident``) and slot samples
-(``measure_slots``) run as tasks that report back by waking the dispatcher, so a
-slow engine holds up nobody else. Each sample is consumed by exactly one
-admission decision, and no job of that model is admitted while it is in flight,
-so every pin is drawn from the sample that admitted it.
+A request takes a slot the way a task takes a ``trio.CapacityLimiter``::
 
-Admitted jobs run as tasks in the scheduler's nursery, each under its own cancel
-scope, inside an ``async with`` block whose exit records slot ownership and wakes
-the dispatcher, whether the job finished, failed or was cancelled. A job marked
-for an erase awaits the engine's acknowledgement before its ``run()`` is called.
-An erase that fails or times out (``erase_timeout``) is logged and counted, and
-the job runs anyway on its pinned slot, which is then recorded as dirty (erased
-before anyone's next use). A timed-out erase may still reach the engine later; it
-can then only cost the job's own cache, never expose another chat's KV.
+    async with scheduler.slot("model", session="chat-1") as grant:
+        ...  # send the request upstream with id_slot=grant.slot_id
+
+``open_scheduler()`` owns a nursery with the dispatcher task. Every event that
+can change a decision (a request, a slot released, a model becoming resident,
+a ``/slots`` sample arriving, the poll) sets the dispatcher's wake event; the
+dispatcher yields once (so a burst of requests in the same tick shares one
+turn), then runs a *pass*: it asks
+:class:`~gezel_trio.scheduler.policy.SchedulerPolicy` what to do from scratch and
+does it. The pass is the only place a slot is granted, and it never awaits:
+engine loads and ``/slots`` samples run as tasks that report back by waking the
+dispatcher. A granted job holds its engine from that moment (the lane's
+``hold()``, so no idle or pressure release can stop it) until its block exits.
+
+The caller's ``async with`` then takes the GPU lease and *prepares* the slot
+from the model's :class:`~gezel_trio.scheduler.slots.SlotTable`: it parks the
+outgoing session's KV (unless its parked copy is current), restores the
+caller's own parked KV, or erases the slot, recording each transition before
+the I/O. Only a slot whose content is the caller's own session's, or empty, is
+handed over; when an erase is not acknowledged the request fails (503) and the
+slot stays unknown. Exit records what the slot now holds and wakes the
+dispatcher on every path. A keyless job's slot is erased *after* it ends, off
+the critical path: it stays pinned until the engine acknowledges the erase.
+
+For engines the host spawned, free slots come from the table; ``/slots`` is
+only sampled to reconcile (every ``reconcile_interval``, and when capacity is
+zero): a slot busy with work the host did not send is held out and erased
+before use. External engines may have other clients, so each admission there
+consumes a fresh sample, and only slots it names idle are pinned.
 """
 
 from __future__ import annotations
@@ -28,14 +39,26 @@ import copy
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from contextlib import (
+    AbstractAsyncContextManager,
+    AbstractContextManager,
+    AsyncExitStack,
+    asynccontextmanager,
+)
+from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Protocol, TypeVar, cast, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 import trio
 
-from gezel_trio.errors import EngineFailed, GezelError, SchedulerClosed, UnknownModel
+from gezel_trio._trio import unwrapping
+from gezel_trio.errors import (
+    EngineCrashed,
+    EngineFailed,
+    GezelError,
+    SchedulerClosed,
+    UnknownModel,
+)
 from gezel_trio.scheduler.policy import (
     JOB_KINDS,
     Admit,
@@ -43,6 +66,7 @@ from gezel_trio.scheduler.policy import (
     Job,
     JobKind,
     JobState,
+    LaneInfo,
     Load,
     Residency,
     RunExclusive,
@@ -51,7 +75,15 @@ from gezel_trio.scheduler.policy import (
     SlotMeasurement,
 )
 
-__all__ = ["EngineLane", "Scheduler", "SchedulerClosed", "open_scheduler"]
+__all__ = [
+    "EngineLane",
+    "ParkingLane",
+    "Scheduler",
+    "SchedulerClosed",
+    "SchedulerSettings",
+    "SlotRequest",
+    "open_scheduler",
+]
 
 log = logging.getLogger("gezel_trio.scheduler")
 
@@ -69,23 +101,12 @@ class ParkingLane(Protocol):
     async def unpark_slot(self, slot_id: int, session: str) -> bool: ...
 
 
-class EngineLane(Protocol):
+class EngineLane(LaneInfo, Protocol):
     """What the scheduler needs from one model's engine."""
 
     @property
-    def model_id(self) -> str: ...
-
-    @property
-    def display_name(self) -> str: ...
-
-    @property
-    def parallel(self) -> int:
-        """Admission ceiling: the profile's slots (1 after a failed calibration)."""
-        ...
-
-    @property
-    def generation(self) -> int:
-        """Increments on every engine (re)start; slot owners are forgotten when it changes."""
+    def ready(self) -> bool:
+        """The engine is running and answering (requests can be sent now)."""
         ...
 
     async def ensure_resident(self) -> None:
@@ -100,30 +121,96 @@ class EngineLane(Protocol):
         """``POST /slots/{id}?action=erase``; returns once acknowledged, may raise."""
         ...
 
+    def hold(self) -> AbstractContextManager[object]:
+        """Keep the engine from being stopped (idle TTL, pressure) while entered."""
+        ...
+
+    def lease(self) -> AbstractAsyncContextManager[object]:
+        """The GPU lease a running job holds (protects it from eviction)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerSettings:
+    """Every knob of the scheduler, in one place (config, host, tests, benchmarks).
+
+    ``residency``: ``swap`` (one model resident at a time, one turn for all) or
+    ``coexist`` (each model its own turns). ``max_queue`` bounds queued jobs
+    (QueueFull beyond). ``slot_poll``: the ``/slots`` poll interval when capacity
+    is zero and none of our jobs runs. ``reconcile_interval``: background
+    ``/slots`` reconciliation of spawned engines. ``measure_timeout``,
+    ``erase_timeout`` and ``park_timeout`` bound one sample, one erase and one
+    save or restore.
+    """
+
+    residency: Residency = "swap"
+    max_queue: int = 256
+    slot_poll: float = 0.25
+    affinity: bool = True
+    affinity_max_wait: float = 1.0
+    erase_on_handoff: bool = True
+    kv_parking: bool = True
+    measure_timeout: float = 2.0
+    erase_timeout: float = 5.0
+    park_timeout: float = 30.0
+    reconcile_interval: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.slot_poll <= 0:
+            raise ValueError(f"slot_poll must be > 0, not {self.slot_poll}")
+        if self.reconcile_interval <= 0:
+            raise ValueError(f"reconcile_interval must be > 0, not {self.reconcile_interval}")
+
 
 @dataclass(eq=False, slots=True)
 class _TrioJob(Job):
-    run: Callable[[Grant], Awaitable[object]] | None = None
-    finished: trio.Event | None = None
-    scope: trio.CancelScope | None = None
-    value: object = None
+    granted: trio.Event = field(default_factory=trio.Event)
     error: BaseException | None = None
-    completed: bool = False
+    hold: AbstractContextManager[object] | None = None
+    scope: trio.CancelScope | None = None
 
 
-class _Occupancy:
-    """The ``async with`` a job runs in: its exit settles the job (ownership,
-    capacity) and wakes the dispatcher, however the job ended. The exit is
-    synchronous bookkeeping, so cancellation cannot interrupt it."""
+class SlotRequest:
+    """``async with scheduler.slot(...) as grant``: see :meth:`Scheduler.slot`."""
 
-    __slots__ = ("_job", "_scheduler")
+    __slots__ = ("_job", "_scheduler", "_stack")
 
     def __init__(self, scheduler: Scheduler, job: _TrioJob) -> None:
         self._scheduler = scheduler
         self._job = job
+        self._stack = AsyncExitStack()
 
-    async def __aenter__(self) -> None:
-        return None
+    def __repr__(self) -> str:
+        job = self._job
+        return f"<SlotRequest {job.model_id} {job.kind} {job.state.value} slot={job.slot_id}>"
+
+    async def __aenter__(self) -> Grant:
+        scheduler, job = self._scheduler, self._job
+        scheduler._enqueue(job)
+        try:
+            await job.granted.wait()
+        except BaseException:
+            scheduler._withdraw(job)
+            raise
+        if job.error is not None:
+            error, job.error = job.error, None
+            raise error
+        try:
+            if scheduler._closed:
+                raise SchedulerClosed("the scheduler shut down before the job could start")
+            lane = scheduler._lanes.get(job.model_id)
+            if lane is None:
+                raise UnknownModel(f"model {job.model_id!r} was removed")
+            await self._stack.__aenter__()
+            job.scope = self._stack.enter_context(trio.CancelScope())
+            await self._stack.enter_async_context(lane.lease())
+            return await scheduler._prepare(job, lane)
+        except BaseException as exc:
+            await self._stack.__aexit__(type(exc), exc, exc.__traceback__)
+            scheduler._release(job)
+            if job.scope is not None and job.scope.cancelled_caught:  # only a shutdown
+                raise SchedulerClosed("the scheduler shut down before the job started") from None
+            raise
 
     async def __aexit__(
         self,
@@ -131,57 +218,44 @@ class _Occupancy:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._scheduler._settle(self._job)
+        scheduler, job = self._scheduler, self._job
+        try:
+            await self._stack.__aexit__(exc_type, exc, tb)
+        finally:
+            scheduler._release(job)
+        assert job.scope is not None
+        if job.scope.cancelled_caught:  # only a shutdown cancels this scope
+            raise SchedulerClosed(f"the scheduler shut down before the {job.kind} could finish")
 
 
 class Scheduler:
-    """Handle yielded by :func:`open_scheduler`. See :meth:`submit`."""
+    """Handle yielded by :func:`open_scheduler`. See :meth:`slot`."""
 
     def __init__(
-        self,
-        *,
-        lanes: Mapping[str, EngineLane],
-        residency: Residency = "swap",
-        max_queue: int = 256,
-        slot_poll: float = 0.25,
-        affinity: bool = True,
-        affinity_max_wait: float = 1.0,
-        pinning: bool = True,
-        erase_on_handoff: bool = True,
-        measure_timeout: float = 2.0,
-        erase_timeout: float = 5.0,
-        cleanup_timeout: float = 5.0,
-        kv_parking: bool = True,
-        park_timeout: float = 30.0,
+        self, *, lanes: Mapping[str, EngineLane], settings: SchedulerSettings | None = None
     ) -> None:
-        if slot_poll <= 0:
-            raise ValueError(f"slot_poll must be > 0, not {slot_poll}")
+        self.settings = settings = settings or SchedulerSettings()
         self._lanes: dict[str, EngineLane] = {}
         self._policy = SchedulerPolicy(
-            residency=residency,
-            max_queue=max_queue,
-            affinity=affinity,
-            affinity_max_wait=affinity_max_wait,
-            pinning=pinning,
-            erase_on_handoff=erase_on_handoff,
+            residency=settings.residency,
+            max_queue=settings.max_queue,
+            affinity=settings.affinity,
+            affinity_max_wait=settings.affinity_max_wait,
+            erase_on_handoff=settings.erase_on_handoff,
         )
         for model_id, lane in lanes.items():
             self._check_lane(model_id, lane)
             self._lanes[model_id] = lane
             self._policy.add_lane(lane)
-        self.slot_poll = slot_poll
-        self.measure_timeout = measure_timeout
-        self.erase_timeout = erase_timeout
-        self.kv_parking = kv_parking
-        self.park_timeout = park_timeout
-        self.cleanup_timeout = cleanup_timeout
         self._wake_event = trio.Event()
         self._poll_at: float | None = None
         self._nursery: trio.Nursery | None = None
         self._closed = False
+        self._running: set[_TrioJob] = set()
         self._measure_failing: set[str] = set()
         self._measuring: set[str] = set()  # models with a /slots sample in flight
         self._measured: dict[str, SlotMeasurement | None] = {}  # samples for the next pass
+        self._reconciled_at: dict[str, float] = {}
 
     def __repr__(self) -> str:
         stats = self._policy.snapshot()
@@ -207,6 +281,48 @@ class Scheduler:
         """The policy object (read-only use: tests, diagnostics)."""
         return self._policy
 
+    def slot(
+        self,
+        model_id: str,
+        *,
+        session: str | None = None,
+        kind: JobKind = "completion",
+        any_slot: bool = False,
+        needs_slot: bool = True,
+    ) -> SlotRequest:
+        """Wait for a slot of ``model_id`` and hold it for the ``async with`` block.
+
+        The block is entered once the model is resident, the job's turn has come,
+        its slot is pinned and prepared: ``grant.slot_id`` holds nothing but
+        ``session``'s KV (``None``: keyless) or nothing at all, and the GPU lease
+        is held. ``kind`` other than ``"completion"`` is exclusive: it runs alone
+        on a drained engine with ``grant.slot_id`` ``None``. ``any_slot``: the
+        engine picks the slot (embeddings), so the job waits for and holds every
+        slot. ``needs_slot`` False: the call occupies capacity but sends nothing
+        to a slot (tokenize, props on an engine that must be made resident).
+
+        Raises (on entry) UnknownModel, QueueFull (with ``retry_after``), the
+        engine's error when the model cannot be made resident, EngineFailed when
+        the slot cannot be made safe, SchedulerClosed on shutdown. Exceptions of
+        the block pass through unchanged.
+
+        Cancellation while queued withdraws the job; during preparation it leaves
+        the slot unknown (erased before its next use); in the block it exits the
+        block as usual. Exit records what the slot now holds, releases the pin,
+        the lease and the engine hold, and wakes the dispatcher, on every path. A
+        shutdown cancels the block, which then raises SchedulerClosed.
+        """
+        if kind not in JOB_KINDS:
+            raise ValueError(f"unknown job kind {kind!r}")
+        job = _TrioJob(
+            model_id=model_id,
+            kind=kind,
+            session=session,
+            any_slot=any_slot,
+            needs_slot=needs_slot and not any_slot and kind == "completion",
+        )
+        return SlotRequest(self, job)
+
     async def submit(
         self,
         model_id: str,
@@ -215,46 +331,9 @@ class Scheduler:
         session: str | None = None,
         kind: JobKind = "completion",
     ) -> T:
-        """Queue ``run`` for ``model_id`` and return its result once it has run.
-
-        ``run(grant)`` is called when the job is admitted: ``grant.slot_id`` is the
-        slot to pin (``id_slot``), already erased if it last held another session's
-        KV. ``session`` is the chat's ``prompt_cache_key`` (``None``: keyless).
-        ``kind`` other than ``"completion"`` is exclusive: it runs alone on a
-        drained engine with ``grant.slot_id`` ``None``.
-
-        Raises UnknownModel, QueueFull (with ``retry_after``), the engine's error
-        when the model cannot be made resident, SchedulerClosed on shutdown, or
-        whatever ``run`` raised, unchanged.
-
-        On cancellation while queued the job leaves the queue; while running, the
-        job's scope is cancelled and this waits (shielded, bounded by
-        ``cleanup_timeout``) for it to unwind before re-raising.
-        """
-        if kind not in JOB_KINDS:
-            raise ValueError(f"unknown job kind {kind!r}")
-        if self._closed or self._nursery is None:
-            raise SchedulerClosed("the scheduler is not running")
-        job = _TrioJob(model_id=model_id, kind=kind, session=session)
-        job.run = cast(Callable[[Grant], Awaitable[object]], run)
-        job.finished = finished = trio.Event()
-        self._policy.enqueue(job, now=trio.current_time())
-        self._wake()
-        try:
-            await finished.wait()
-        finally:
-            if not finished.is_set():
-                await self._abandon(job)
-        error = job.error
-        if error is not None:
-            try:
-                raise error
-            finally:
-                del error
-                job.error = None
-        if not job.completed:
-            raise SchedulerClosed(f"the scheduler shut down before the {kind} could finish")
-        return cast(T, job.value)
+        """``run(grant)`` inside :meth:`slot`; returns its result (tests, one-shot ops)."""
+        async with self.slot(model_id, session=session, kind=kind) as grant:
+            return await run(grant)
 
     def set_residency(self, residency: Residency) -> None:
         """Switch between ``swap`` and ``coexist`` live (see SchedulerPolicy.set_residency)."""
@@ -262,8 +341,7 @@ class Scheduler:
         self._wake()
 
     def forget_slots(self, model_id: str) -> None:
-        """Forget ``model_id``'s slot owners, e.g. on an engine restart the lane has
-        not yet counted: until a new generation is seen each slot is erased on first use."""
+        """Make every slot of ``model_id`` unknown: each is erased before its next use."""
         self._policy.forget_slots(model_id)
 
     def add_lane(self, lane: EngineLane) -> None:
@@ -279,11 +357,234 @@ class Scheduler:
         failed = self._policy.remove_lane(model_id)
         self._lanes.pop(model_id, None)
         for job in failed:
-            self._fail(cast(_TrioJob, job), UnknownModel(f"model {model_id!r} was removed"))
+            self._fail(job, UnknownModel(f"model {model_id!r} was removed"))
         self._wake()
 
     def statistics(self) -> SchedulerStats:
         return self._policy.snapshot()
+
+    # ------------------------------------------------------------------ job lifecycle
+
+    def _enqueue(self, job: _TrioJob) -> None:
+        if self._closed or self._nursery is None:
+            raise SchedulerClosed("the scheduler is not running")
+        self._policy.enqueue(job, now=trio.current_time())
+        self._wake()
+
+    def _withdraw(self, job: _TrioJob) -> None:
+        """The caller was cancelled while waiting for its grant."""
+        if job.state is JobState.QUEUED:
+            self._policy.cancel(job)
+            self._wake()
+        elif job.state is JobState.RUNNING:  # granted in the same tick
+            self._release(job)
+
+    def _grant(self, job: _TrioJob, lane: EngineLane) -> None:
+        """Called by the pass for each admitted job: hold the engine, wake the caller."""
+        job.hold = lane.hold()
+        job.hold.__enter__()
+        self._running.add(job)
+        job.granted.set()
+
+    def _release(self, job: _TrioJob) -> None:
+        """The caller's block is over (or never started): settle the job. Synchronous,
+        so cancellation cannot interrupt it. A keyless job's slot stays pinned while
+        the dispatcher's nursery erases it."""
+        if job.state is not JobState.RUNNING:
+            return
+        self._running.discard(job)
+        policy = self._policy
+        lane = self._lanes.get(job.model_id)
+        erase_after = (
+            job.ran
+            and job.session is None
+            and job.slot_id is not None
+            and policy.erase_on_handoff
+            and lane is not None
+            and self._nursery is not None
+            and not self._closed
+        )
+        policy.settle(job, now=trio.current_time(), keep_pin=erase_after)
+        if erase_after:
+            assert self._nursery is not None and lane is not None
+            self._nursery.start_soon(self._erase_after, job, lane)
+        else:
+            self._drop_hold(job)
+        self._wake()
+
+    @staticmethod
+    def _drop_hold(job: _TrioJob) -> None:
+        hold, job.hold = job.hold, None
+        if hold is not None:
+            hold.__exit__(None, None, None)
+
+    def _fail(self, job: Job, error: BaseException) -> None:
+        assert isinstance(job, _TrioJob)
+        job.error = error
+        job.granted.set()
+
+    # ------------------------------------------------------------------ preparation
+
+    def _check_pin(self, job: _TrioJob) -> None:
+        table = self._policy.table_of(job)
+        if job.slot_id is not None and table.pinned_to(job.slot_id) is not job:
+            raise EngineCrashed(
+                f"the engine for {job.model_id!r} restarted with fewer slots before the "
+                "request was sent; it was not sent"
+            )
+
+    async def _prepare(self, job: _TrioJob, lane: EngineLane) -> Grant:
+        """Make the job's slot safe (and warm) for it and return its grant.
+
+        Each step is recorded in the slot table before its I/O: a step cut short
+        by cancellation or a failure leaves the slot unknown. Raises EngineFailed
+        when the slot cannot be made safe (the request is not sent).
+        """
+        if not job.exclusive and not lane.ready:
+            # The engine went away after admission (a crash): restart it lazily
+            # rather than fail a request the engine never saw.
+            await lane.ensure_resident()
+        calls = 0
+        erased = False
+        slot = job.slot_id
+        if slot is not None:
+            parking = self.settings.kv_parking and isinstance(lane, ParkingLane)
+            restore_failed = False
+
+            def is_parked(session: str) -> bool:
+                return (
+                    not restore_failed and isinstance(lane, ParkingLane) and lane.is_parked(session)
+                )
+
+            for _ in range(4):
+                self._check_pin(job)
+                table = self._policy.table_of(job)
+                prep = table.preparation(
+                    slot,
+                    job.session,
+                    erase_on_handoff=self._policy.erase_on_handoff,
+                    parking=parking,
+                    is_parked=is_parked,
+                )
+                owner = table.owner(slot)
+                if parking and owner is not None and owner != job.session and prep.park is None:
+                    self._policy.parks_skipped += 1  # its parked copy is still current
+                if prep.calls == 0:
+                    break
+                calls += prep.calls
+                if prep.park is not None:
+                    assert isinstance(lane, ParkingLane)
+                    await self._park(job, lane, prep.park)
+                if prep.restore:
+                    assert isinstance(lane, ParkingLane) and job.session is not None
+                    if await self._restore(job, lane, job.session):
+                        erased = True
+                    else:
+                        restore_failed = True
+                elif prep.erase:
+                    await self._erase(job, lane)
+                    erased = True
+            else:  # pragma: no cover - each round makes progress or raises
+                raise EngineFailed(f"slot {slot} of {job.model_id!r} could not be prepared")
+            self._check_pin(job)
+            table = self._policy.table_of(job)
+            table.sending(slot, job)
+        job.ran = True
+        return Grant(
+            model_id=job.model_id,
+            slot_id=slot,
+            erased=erased,
+            queue_wait_s=trio.current_time() - job.submitted_at,
+            prepare_calls=calls,
+            generation=self._policy.table_of(job).generation,
+        )
+
+    async def _park(self, job: _TrioJob, lane: ParkingLane, session: str) -> None:
+        """Save ``session``'s KV before its slot changes hands. A failure is logged and
+        counted: the handoff goes on (that session re-prefills later)."""
+        slot = job.slot_id
+        assert slot is not None
+        with trio.move_on_after(self.settings.park_timeout):
+            try:
+                await lane.park_slot(slot, session)
+            except Exception as exc:
+                log.warning("parking %s slot %d failed: %r", job.model_id, slot, exc)
+            else:
+                self._check_pin(job)
+                self._policy.table_of(job).parked(slot, job, session)
+                self._policy.parks_saved += 1
+                return
+        self._policy.parks_failed += 1
+
+    async def _restore(self, job: _TrioJob, lane: ParkingLane, session: str) -> bool:
+        """Restore the job's own parked KV into its slot (which also replaces whatever
+        the slot held). False when it did not take: the slot is then unknown."""
+        slot = job.slot_id
+        assert slot is not None
+        self._policy.table_of(job).sending(slot, job)
+        restored = False
+        with trio.move_on_after(self.settings.park_timeout):
+            try:
+                restored = await lane.unpark_slot(slot, session)
+            except Exception as exc:
+                log.warning("restoring %s slot %d failed: %r", job.model_id, slot, exc)
+        if not restored:
+            self._policy.parks_failed += 1
+            return False
+        self._check_pin(job)
+        self._policy.table_of(job).restored(slot, job, session)
+        self._policy.parks_restored += 1
+        return True
+
+    async def _erase(self, job: _TrioJob, lane: EngineLane) -> None:
+        """Erase the job's slot and await the acknowledgement. Raises EngineFailed when
+        the engine does not acknowledge it (the slot stays unknown)."""
+        slot = job.slot_id
+        assert slot is not None
+        self._policy.table_of(job).sending(slot, job)
+        failure = f"no answer within {self.settings.erase_timeout:g}s"
+        with trio.move_on_after(self.settings.erase_timeout):
+            try:
+                await lane.erase_slot(slot)
+            except Exception as exc:
+                failure = repr(exc)
+            else:
+                self._check_pin(job)
+                self._policy.table_of(job).erased(slot, job)
+                self._policy.note_erase(ok=True)
+                return
+        self._policy.note_erase(ok=False)
+        log.warning("erase of %s slot %d failed: %s", job.model_id, slot, failure)
+        raise EngineFailed(
+            f"the engine for {job.model_id!r} did not acknowledge the erase of slot {slot} "
+            f"({failure}); the request was not sent"
+        )
+
+    async def _erase_after(self, job: _TrioJob, lane: EngineLane) -> None:
+        """After a keyless job: erase its slot, then release the pin (and the engine)."""
+        slot = job.slot_id
+        assert slot is not None
+        try:
+            with trio.move_on_after(self.settings.erase_timeout):
+                table = self._policy.table_of(job)
+                if table.pinned_to(slot) is not job or table.safe_for(slot, None):
+                    return  # a restart made it fresh meanwhile
+                table.sending(slot, job)
+                try:
+                    await lane.erase_slot(slot)
+                except Exception as exc:
+                    log.warning("erase of %s slot %d failed: %r", job.model_id, slot, exc)
+                    self._policy.note_erase(ok=False)
+                    return
+                table = self._policy.table_of(job)
+                if table.pinned_to(slot) is job:
+                    table.erased(slot, job)
+                self._policy.note_erase(ok=True)
+                self._policy.erases_after_keyless += 1
+        finally:
+            self._policy.release(job)
+            self._drop_hold(job)
+            self._wake()
 
     # ------------------------------------------------------------------ dispatcher
 
@@ -305,18 +606,20 @@ class Scheduler:
                     await self._wake_event.wait()
                 if not self._wake_event.is_set():
                     self._policy.note_poll()
-            # Yield once so that every submit of this tick is queued before we decide.
+            # Yield once so that every request of this tick is queued before we decide.
             await trio.lowlevel.checkpoint()
             self._wake_event = trio.Event()
             self._poll_at = None
             self._pass()
 
+    def _poll_later(self, at: float) -> None:
+        if self._poll_at is None or at < self._poll_at:
+            self._poll_at = at
+
     def _pass(self) -> None:
-        """Re-derive every decision from scratch and act on it: the only place a job
-        starts. Never awaits I/O: engine loads and ``/slots`` samples run as tasks
-        that wake the dispatcher when they finish, so one slow engine cannot hold
-        up another's admissions. A sample is consumed by the first pass after it
-        arrives (admitting against it), or dropped if that pass has no use for it."""
+        """Re-derive every decision from scratch and act on it: the only place a slot
+        is granted. Never awaits I/O. A sample of an external engine is consumed by
+        the first pass after it arrives (admitting against it), or dropped."""
         policy = self._policy
         nursery = self._nursery
         assert nursery is not None
@@ -327,31 +630,40 @@ class Scheduler:
         for action in policy.plan():
             if isinstance(action, Admit):
                 model_id = action.model_id
-                if model_id not in fresh:
-                    if model_id not in self._measuring:
-                        self._measuring.add(model_id)
-                        nursery.start_soon(self._measure_task, model_id)
-                    continue
-                admission = policy.admit(model_id, fresh[model_id], now=now)
-                lane = self._lanes.get(model_id)
+                lane = self._lanes[model_id]
+                measured: SlotMeasurement | None = None
+                if not lane.sole_client:
+                    if model_id not in fresh:
+                        self._start_measure(model_id)
+                        continue
+                    measured = fresh[model_id]
+                admission = policy.admit(model_id, measured, now=now)
                 for admitted in admission.jobs:
-                    assert lane is not None
-                    self._spawn(cast(_TrioJob, admitted), lane)
+                    assert isinstance(admitted, _TrioJob)
+                    self._grant(admitted, lane)
                 if admission.poll:
-                    at = now + self.slot_poll
-                    if self._poll_at is None or at < self._poll_at:
-                        self._poll_at = at
+                    if lane.sole_client:
+                        self._reconcile_soon(model_id, now)
+                    else:
+                        self._poll_later(now + self.settings.slot_poll)
             elif isinstance(action, Load):
                 nursery.start_soon(self._load, action.model_id)
             elif isinstance(action, RunExclusive):
-                job = cast(_TrioJob, action.job)
-                lane = self._lanes.get(job.model_id)
-                if lane is None:  # pragma: no cover - a removed lane plans nothing
+                job = action.job
+                assert isinstance(job, _TrioJob)
+                exclusive_lane = self._lanes.get(job.model_id)
+                if exclusive_lane is None:  # pragma: no cover - a removed lane plans nothing
                     policy.settle(job, now=now)
                     self._fail(job, UnknownModel(f"model {job.model_id!r} was removed"))
                     continue
-                self._spawn(job, lane)
+                self._grant(job, exclusive_lane)
         policy.note_pass(time.perf_counter() - started)
+
+    def _start_measure(self, model_id: str) -> None:
+        if model_id not in self._measuring:
+            self._measuring.add(model_id)
+            assert self._nursery is not None
+            self._nursery.start_soon(self._measure_task, model_id)
 
     async def _measure_task(self, model_id: str) -> None:
         try:
@@ -361,14 +673,14 @@ class Scheduler:
             self._wake()
 
     async def _measure(self, model_id: str) -> SlotMeasurement | None:
-        """Sample ``model_id``'s slots; ``None`` (trust the profile) when the sample
-        fails or takes longer than ``measure_timeout``."""
+        """Sample ``model_id``'s slots; ``None`` when the sample fails or takes longer
+        than ``measure_timeout`` (then nothing can be pinned on an external engine)."""
         lane = self._lanes.get(model_id)
         if lane is None:
             return None
-        measured: SlotMeasurement | None = None
+        timeout = self.settings.measure_timeout
         failure: str | None = None
-        with trio.move_on_after(self.measure_timeout):
+        with trio.move_on_after(timeout):
             try:
                 measured = await lane.measure_slots()
             except Exception as exc:
@@ -380,14 +692,69 @@ class Scheduler:
                     log.info("slot measurement of %s works again", model_id)
                 return measured
         if failure is None:
-            failure = f"timed out after {self.measure_timeout}s"
+            failure = f"timed out after {timeout}s"
         self._policy.note_measurement(ok=False)
         if model_id not in self._measure_failing:  # say it once, not on every pass
             self._measure_failing.add(model_id)
-            log.warning(
-                "slot measurement of %s failed (%s): trusting its profile", model_id, failure
-            )
+            log.warning("slot measurement of %s failed (%s): jobs wait", model_id, failure)
         return None
+
+    # ------------------------------------------------------------------ reconciliation
+
+    def _reconcile_soon(self, model_id: str, now: float) -> None:
+        """Reconcile a spawned engine's table now, or after ``slot_poll`` if it was
+        reconciled just now (the pass asks again while capacity stays zero)."""
+        last = self._reconciled_at.get(model_id)
+        if last is not None and now - last < self.settings.slot_poll:
+            self._poll_later(last + self.settings.slot_poll)
+            return
+        if model_id not in self._measuring:
+            self._measuring.add(model_id)
+            self._reconciled_at[model_id] = now
+            assert self._nursery is not None
+            self._nursery.start_soon(self._reconcile, model_id)
+
+    async def _reconcile(self, model_id: str) -> None:
+        """One ``/slots`` sample applied to a spawned engine's table: slots busy with
+        work the host did not send are held out until they are idle again."""
+        try:
+            lane = self._lanes.get(model_id)
+            if lane is None or not lane.ready:
+                return
+            table = self._policy.table(model_id)
+            generation, tick = table.generation, table.tick
+            measured = await self._measure(model_id)
+            table = self._policy.table(model_id)
+            if measured is None or measured.ids is None or table.generation != generation:
+                return
+            idle = set(measured.ids)
+            busy = [entry.id for entry in table.slots if entry.id not in idle]
+            newly = table.reconcile(busy, sampled_at=tick)
+            self._policy.note_reconciliation(len(newly))
+            if newly:
+                log.warning(
+                    "slots %s of %s are busy with work the host did not send: held out, "
+                    "erased before use",
+                    newly,
+                    model_id,
+                )
+        finally:
+            self._measuring.discard(model_id)
+            self._wake()
+
+    async def _serve_reconciliation(
+        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Reconcile every ready spawned engine every ``reconcile_interval`` seconds."""
+        task_status.started()
+        while True:
+            await trio.sleep(self.settings.reconcile_interval)
+            now = trio.current_time()
+            for model_id, lane in list(self._lanes.items()):
+                if lane.sole_client and lane.ready:
+                    self._reconcile_soon(model_id, now)
+
+    # ------------------------------------------------------------------ loads, shutdown
 
     async def _load(self, model_id: str) -> None:
         """Make ``model_id`` resident; on failure fail the jobs of its turn."""
@@ -407,132 +774,19 @@ class Scheduler:
                 error.__cause__ = exc
             log.warning("engine for %s could not be made resident: %r", model_id, exc)
             for job in self._policy.load_failed(model_id):
-                self._fail(cast(_TrioJob, job), _copy_error(error))
+                self._fail(job, _copy_error(error))
         finally:
             if not done:
                 self._policy.load_aborted(model_id)
             self._wake()
 
-    def _spawn(self, job: _TrioJob, lane: EngineLane) -> None:
-        job.scope = trio.CancelScope()
-        assert self._nursery is not None
-        self._nursery.start_soon(self._run_job, job, lane)
-
-    async def _run_job(self, job: _TrioJob, lane: EngineLane) -> None:
-        assert job.scope is not None and job.finished is not None and job.run is not None
-        try:
-            with job.scope:
-                async with _Occupancy(self, job):
-                    erased = await self._prepare_slot(job, lane)
-                    grant = Grant(
-                        model_id=job.model_id,
-                        slot_id=None if job.exclusive else job.slot_id,
-                        erased=erased,
-                        queue_wait_s=trio.current_time() - job.submitted_at,
-                    )
-                    await trio.lowlevel.checkpoint_if_cancelled()  # never start a cancelled job
-                    job.ran = True
-                    try:
-                        job.value = await job.run(grant)
-                        job.completed = True
-                    except (trio.Cancelled, KeyboardInterrupt, SystemExit):
-                        raise
-                    except BaseException as exc:  # a job's failure must not stop the scheduler
-                        if isinstance(exc, BaseExceptionGroup):
-                            _, rest = exc.split(trio.Cancelled)
-                            if rest is None:
-                                raise  # only cancellation: the cancel scopes deal with it
-                            exc = rest
-                        job.error = exc
-        finally:
-            job.finished.set()
-
-    async def _prepare_slot(self, job: _TrioJob, lane: EngineLane) -> bool:
-        """Make the pinned slot safe (and warm) for the job before ``run()``.
-
-        With KV parking (a lane that can ``park_slot``/``unpark_slot``): the
-        outgoing session's KV is saved before the handoff, and an incoming
-        session with parked KV gets it restored, which also replaces the
-        previous owner's KV. Otherwise the slot is erased when the handoff
-        rule says so. Returns True when the slot was erased or restored
-        (acknowledged). Cancellation propagates.
-        """
-        slot = job.slot_id
-        if slot is None or job.exclusive:
-            return False
-        parking = self.kv_parking and isinstance(lane, ParkingLane)
-        if parking and job.erase and job.handoff_from is not None:
-            # Another chat's KV is about to be replaced: keep it for that chat's next turn.
-            assert isinstance(lane, ParkingLane)
-            with trio.move_on_after(self.park_timeout):
-                try:
-                    await lane.park_slot(slot, job.handoff_from)
-                except Exception as exc:
-                    log.warning("parking %s slot %d failed: %r", job.model_id, slot, exc)
-        owned = job.erase is False and job.handoff_from == job.session and job.session is not None
-        if parking and job.session is not None and not owned:
-            assert isinstance(lane, ParkingLane)
-            if lane.is_parked(job.session):
-                restored = False
-                with trio.move_on_after(self.park_timeout):
-                    try:
-                        restored = await lane.unpark_slot(slot, job.session)
-                    except Exception as exc:
-                        log.warning("restoring %s slot %d failed: %r", job.model_id, slot, exc)
-                if restored:
-                    if job.erase:
-                        job.erase_ok = True
-                        self._policy.note_erase(ok=True)
-                    return True
-        return await self._erase(job, lane) if job.erase else False
-
-    async def _erase(self, job: _TrioJob, lane: EngineLane) -> bool:
-        """Erase the job's slot and await the acknowledgement. A failure or timeout is
-        logged and counted; the job runs anyway. Cancellation propagates."""
-        slot = job.slot_id
-        assert slot is not None
-        with trio.move_on_after(self.erase_timeout):
-            try:
-                await lane.erase_slot(slot)
-            except Exception as exc:
-                log.warning("erase of %s slot %d failed: %r", job.model_id, slot, exc)
-                job.erase_ok = False
-                self._policy.note_erase(ok=False)
-                return False
-            job.erase_ok = True
-            self._policy.note_erase(ok=True)
-            return True
-        log.warning(
-            "erase of %s slot %d timed out after %ss", job.model_id, slot, self.erase_timeout
-        )
-        job.erase_ok = False
-        self._policy.note_erase(ok=False)
-        return False
-
-    def _settle(self, job: _TrioJob) -> None:
-        self._policy.settle(job, now=trio.current_time())
-        self._wake()
-
-    def _fail(self, job: _TrioJob, error: BaseException) -> None:
-        job.error = error
-        if job.finished is not None:
-            job.finished.set()
-
-    async def _abandon(self, job: _TrioJob) -> None:
-        """The submitter is going away (cancelled): withdraw or cancel its job."""
-        if job.state is JobState.QUEUED:
-            self._policy.cancel(job)
-            self._wake()
-            return
-        if job.state is JobState.RUNNING and job.scope is not None and job.finished is not None:
-            job.scope.cancel()
-            with trio.move_on_after(self.cleanup_timeout, shield=True):
-                await job.finished.wait()
-
     def _close(self) -> None:
         self._closed = True
         for job in self._policy.fail_all():
-            self._fail(cast(_TrioJob, job), SchedulerClosed("the scheduler shut down"))
+            self._fail(job, SchedulerClosed("the scheduler shut down"))
+        for job in list(self._running):
+            if job.scope is not None:
+                job.scope.cancel()
 
 
 def _copy_error(error: BaseException) -> BaseException:
@@ -548,74 +802,23 @@ def _copy_error(error: BaseException) -> BaseException:
     return clone
 
 
-def _unwrap(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The one exception a caller should see instead of ``group``."""
-    leaves: list[BaseException] = []
-
-    def walk(exc: BaseException) -> None:
-        if isinstance(exc, BaseExceptionGroup):
-            for inner in exc.exceptions:
-                walk(inner)
-        else:
-            leaves.append(exc)
-
-    walk(group)
-    for leaf in leaves:
-        if not isinstance(leaf, trio.Cancelled):
-            return leaf
-    return leaves[0] if leaves else group
-
-
 @asynccontextmanager
 async def open_scheduler(
-    *,
-    lanes: Mapping[str, EngineLane],
-    residency: Residency = "swap",
-    max_queue: int = 256,
-    slot_poll: float = 0.25,
-    affinity: bool = True,
-    affinity_max_wait: float = 1.0,
-    pinning: bool = True,
-    erase_on_handoff: bool = True,
-    measure_timeout: float = 2.0,
-    erase_timeout: float = 5.0,
-    kv_parking: bool = True,
-    cleanup_timeout: float = 5.0,
+    *, lanes: Mapping[str, EngineLane], settings: SchedulerSettings | None = None
 ) -> AsyncIterator[Scheduler]:
     """Run a scheduler over ``lanes`` (model id -> lane) for the duration of the block.
 
-    ``residency``: ``swap`` (one model resident at a time, one turn for all) or
-    ``coexist`` (each model its own lane and turns). ``max_queue`` bounds the
-    queued jobs (QueueFull beyond). ``slot_poll`` is the ``/slots`` poll interval
-    used only when capacity is zero and none of our jobs is running.
-    ``measure_timeout`` and ``erase_timeout`` bound one ``/slots`` sample and one
-    erase; ``cleanup_timeout`` bounds the shielded wait for a cancelled job.
-
-    On exit, queued jobs fail with SchedulerClosed and running jobs are cancelled.
-    Exceptions leave as themselves, never as an exception group.
+    On exit, queued jobs fail with SchedulerClosed and held slots are cancelled
+    (their holders see SchedulerClosed). Exceptions leave as themselves, never
+    as an exception group.
     """
-    scheduler = Scheduler(
-        lanes=lanes,
-        residency=residency,
-        max_queue=max_queue,
-        slot_poll=slot_poll,
-        affinity=affinity,
-        affinity_max_wait=affinity_max_wait,
-        pinning=pinning,
-        erase_on_handoff=erase_on_handoff,
-        measure_timeout=measure_timeout,
-        erase_timeout=erase_timeout,
-        kv_parking=kv_parking,
-        cleanup_timeout=cleanup_timeout,
-    )
-    try:
-        async with trio.open_nursery() as nursery:
-            scheduler._nursery = nursery
-            await nursery.start(scheduler._serve_dispatcher)
-            try:
-                yield scheduler
-            finally:
-                scheduler._close()
-                nursery.cancel_scope.cancel()
-    except BaseExceptionGroup as group:
-        raise _unwrap(group) from None
+    scheduler = Scheduler(lanes=lanes, settings=settings)
+    async with unwrapping(), trio.open_nursery() as nursery:
+        scheduler._nursery = nursery
+        await nursery.start(scheduler._serve_dispatcher)
+        await nursery.start(scheduler._serve_reconciliation)
+        try:
+            yield scheduler
+        finally:
+            scheduler._close()
+            nursery.cancel_scope.cancel()

@@ -23,29 +23,28 @@ The rules, in the order the policy applies them (see the issue-3 seed):
 4. FAIRNESS. The turn stops absorbing when the group's queue head is another
    model's job or an exclusive job; it retires once its claimed jobs have run;
    the next turn prefers a model other than the one that just ran.
-5. CAPACITY. ``min(parallel - running, measured idle)``, never both subtracted;
-   an unknown measurement trusts the profile. Zero capacity with none of our
-   jobs running asks the Trio layer to poll ``/slots``.
-6. OWNERSHIP. :class:`SlotOwners` maps slot id to the session that last ran on
-   it (``None`` for keyless jobs and for slots whose content is unknown). A job
-   pinned to a slot owned by anyone else is marked for an erase that the Trio
-   layer awaits before the job's ``run()``; the same session keeps its KV; a
-   fresh slot (never used since the engine's generation began) needs none.
-   *Forgetting* (a turn switching model, an exclusive op, ``forget_slots``)
-   drops the owners, but unless the lane's generation then changes (a restarted
-   engine is fresh) nothing vouches for the slots any more, so each is erased on
-   its first use: forgetting can cost a re-prefill, never a bleed.
-   *Unpinned jobs* (no slot id could be named: the sample had no ids, failed,
-   or named fewer slots than it counted; or pinning is off) land on a slot the
-   engine picks, which the scheduler cannot know. Nothing is recorded for them
-   (they are counted in ``unpinned_admissions``), and since any tracked slot may
-   now hold their KV, the model's map is forgotten at their admission and again
-   when they settle.
+5. CAPACITY. ``min(parallel - running, nameable free slots)``. For an engine
+   the host spawned (it is the engine's only client) the free slots are the
+   slot table's: no ``/slots`` round trip on the request path. For an external
+   engine (it may have other clients) they are the table's free slots that a
+   fresh ``/slots`` sample names idle. Zero capacity with none of our jobs
+   running asks the Trio layer to poll ``/slots`` (reconciliation).
+6. OWNERSHIP. Each model has a :class:`~gezel_trio.scheduler.slots.SlotTable`:
+   per slot its content (fresh, clean, owned by a session, keyless-dirty,
+   unknown), its pin and the engine generation. The Trio layer prepares a
+   pinned slot (park, restore or erase) from the table before the job runs,
+   recording every transition before the I/O that causes it, and a job never
+   runs on a slot whose content is not its own session's or empty.
+   *Forgetting* (an exclusive op, ``forget_slots``) makes every slot unknown:
+   each is erased before its next use. A new engine generation makes every
+   slot fresh and keeps the pins of running jobs.
 7. AFFINITY. Within a turn, jobs whose session holds a slot go first, pinned to
-   that slot when it is idle; everything else is FIFO.
-8. PINNING. Every admission in one :meth:`~SchedulerPolicy.admit` call draws a
-   distinct slot id from the measurement that admitted it, excluding slots
-   pinned to our still-running jobs; ``None`` when no id can be named honestly.
+   that slot when it is free; everything else is FIFO.
+8. PINNING. Every admitted job that uses a slot is pinned to a distinct slot id
+   from the table. No job is ever admitted unpinned: when no id can be named
+   the job waits. A job whose slot the engine chooses (embeddings: llama-server
+   ignores ``id_slot`` there) is admitted only when every slot is free, pins
+   them all, and leaves them all unknown.
 
 Data structures are chosen so that one admission, and one turn start, cost
 O(models + slots), never O(queued jobs): a FIFO deque per model and a per-model,
@@ -63,6 +62,7 @@ from enum import Enum
 from typing import Literal, Protocol
 
 from gezel_trio.errors import QueueFull, UnknownModel
+from gezel_trio.scheduler.slots import SlotTable
 from gezel_trio.sessions import session_hash
 
 __all__ = [
@@ -83,10 +83,8 @@ __all__ = [
     "SchedulerPolicy",
     "SchedulerStats",
     "SlotMeasurement",
-    "SlotOwners",
     "admission_capacity",
     "choose_slot",
-    "free_slot_ids",
     "hash_session",
 ]
 
@@ -117,18 +115,23 @@ class SlotMeasurement:
 
 @dataclass(frozen=True, slots=True)
 class Grant:
-    """What a job's ``run()`` is given when it starts.
+    """What the holder of a slot is given once it may send its request.
 
-    ``slot_id`` is the pin to send upstream as ``id_slot`` (``None`` when none can
-    be named honestly, and always ``None`` for exclusive jobs); ``erased`` says an
-    acknowledged erase of that slot preceded this grant; ``queue_wait_s`` is the
-    time from ``submit()`` to this grant (engine switch and erase included).
+    ``slot_id`` is the pin to send upstream as ``id_slot`` (``None`` for exclusive
+    jobs, for embeddings, which hold every slot, and for calls that use no slot);
+    ``erased`` says an acknowledged erase or restore of that slot preceded this
+    grant; ``queue_wait_s`` is the time from the request to this grant (engine
+    switch and preparation included); ``prepare_calls`` counts the upstream calls
+    made on the request's critical path before its own (save, restore, erase);
+    ``generation`` is the engine generation the slot was prepared on.
     """
 
     model_id: str
     slot_id: int | None
     erased: bool
     queue_wait_s: float
+    prepare_calls: int = 0
+    generation: int | None = None
 
 
 class LaneInfo(Protocol):
@@ -141,10 +144,23 @@ class LaneInfo(Protocol):
     def display_name(self) -> str: ...
 
     @property
-    def parallel(self) -> int: ...
+    def parallel(self) -> int:
+        """Admission ceiling (1 after a failed calibration)."""
+        ...
+
+    @property
+    def slot_count(self) -> int:
+        """The engine's slots (``--parallel``): the size of its slot table."""
+        ...
 
     @property
     def generation(self) -> int: ...
+
+    @property
+    def sole_client(self) -> bool:
+        """True for an engine the host spawned: nobody else sends it work, so free
+        slots come from the table; False for an external engine (measured)."""
+        ...
 
 
 class JobState(Enum):
@@ -166,11 +182,10 @@ class Job:
     submitted_at: float = 0.0
     state: JobState = JobState.QUEUED
     slot_id: int | None = None
-    erase: bool = False  # the slot must be erased (and acknowledged) before run()
-    erase_ok: bool | None = None  # None: no erase attempted/finished; set by the Trio layer
-    handoff_from: str | None = None  # the session whose KV the pinned slot held at admission
-    ran: bool = False  # run() was called (the job may have reached the engine)
-    generation: int | None = None  # lane generation at admission
+    any_slot: bool = False  # the engine picks the slot (embeddings): holds every slot
+    needs_slot: bool = True  # False: occupies capacity, sends nothing to a slot
+    ran: bool = False  # its request was sent (the slot's content is the job's from now)
+    generation: int | None = None  # engine generation the job was admitted on
     admitted_at: float | None = None
     model_state: _Model | None = field(default=None, repr=False)
     home: _JobDeque | None = field(default=None, repr=False)
@@ -239,9 +254,12 @@ class SchedulerStats:
     active_ops: tuple[ActiveOp, ...]
     loading: tuple[str, ...]
     slot_owners: dict[str, dict[int, str | None]]  # model -> slot -> hashed session|None
-    erases: dict[str, int]  # ok, failed, skipped_same_session
+    slots: dict[str, dict[str, object]]  # model -> its slot table (contents, pins, held out)
+    erases: dict[str, int]  # ok, failed, skipped_same_session, after_keyless
+    parking: dict[str, int]  # saved, save_skipped_current, restored, failed
     admissions: int
-    unpinned_admissions: int
+    reconciliations: int
+    held_out: int
     switches: int
     slot_polls: int
     slot_measurements: int
@@ -271,9 +289,12 @@ class SchedulerStats:
                 model: {str(slot): owner for slot, owner in owners.items()}
                 for model, owners in self.slot_owners.items()
             },
+            "slots": {model: dict(table) for model, table in self.slots.items()},
             "erases": dict(self.erases),
+            "parking": dict(self.parking),
             "admissions": self.admissions,
-            "unpinned_admissions": self.unpinned_admissions,
+            "reconciliations": self.reconciliations,
+            "held_out": self.held_out,
             "switches": self.switches,
             "slot_polls": self.slot_polls,
             "slot_measurements": self.slot_measurements,
@@ -304,151 +325,38 @@ def admission_capacity(parallel: int, running: int, measured: SlotMeasurement | 
     return max(room, 0)
 
 
-def free_slot_ids(
-    measured: SlotMeasurement | None, pinned: Mapping[int, object] | frozenset[int]
-) -> list[int] | None:
-    """Slot ids a new pin may use: the measured idle ids minus slots pinned to our
-    still-running jobs (admitted moments ago, they may not have reached the engine,
-    so the sample can still show their slot idle). ``None`` when the measurement
-    names no ids."""
-    if measured is None or measured.ids is None:
-        return None
-    return [slot for slot in measured.ids if slot not in pinned]
-
-
-class SlotOwners:
-    """Slot id -> the session whose KV the slot holds, for one engine generation.
-
-    A slot is in one of four states: *owned* by a session (a ``str``), *dirty*
-    (``None``: a keyless job ran on it, or an erase failed), *clean* (erased and
-    unused since), or absent. An absent slot is fresh unless the map was
-    :meth:`forget`-ed without a new generation (``tainted``): then nothing vouches
-    for it and its first use is erased. A new generation (engine restart) makes
-    every slot fresh.
-    """
-
-    __slots__ = ("_clean", "_owners", "_tick", "_used", "generation", "tainted")
-
-    def __init__(self) -> None:
-        self.generation: int | None = None
-        self.tainted = False
-        self._owners: dict[int, str | None] = {}
-        self._clean: set[int] = set()
-        self._used: dict[int, int] = {}
-        self._tick = 0
-
-    def __repr__(self) -> str:
-        return (
-            f"<SlotOwners gen={self.generation} owned={len(self._owners)}"
-            f"{' tainted' if self.tainted else ''}>"
-        )
-
-    def __len__(self) -> int:
-        return len(self._owners)
-
-    def sync(self, generation: int) -> bool:
-        """Adopt the lane's generation; a different one means a fresh engine, so
-        every owner is dropped. Returns True when the map was reset."""
-        if generation == self.generation:
-            return False
-        self.generation = generation
-        self._owners.clear()
-        self._clean.clear()
-        self._used.clear()
-        self.tainted = False
-        return True
-
-    def forget(self) -> None:
-        """Drop every owner. Without an engine restart nothing vouches for the slots
-        any more, so each one is erased on first use (unless the generation changes
-        first, which makes them fresh)."""
-        self._owners.clear()
-        self._clean.clear()
-        self._used.clear()
-        self.tainted = True
-
-    def owned(self, slot: int) -> bool:
-        return slot in self._owners
-
-    def owner(self, slot: int) -> str | None:
-        """The session owning ``slot``; ``None`` for dirty, clean or fresh slots."""
-        return self._owners.get(slot)
-
-    def needs_erase(self, slot: int, session: str | None) -> bool:
-        """Whether a job of ``session`` must erase ``slot`` before landing on it."""
-        if slot in self._owners:
-            previous = self._owners[slot]
-            return previous is None or previous != session
-        if slot in self._clean:
-            return False
-        return self.tainted
-
-    def record(self, slot: int, session: str | None) -> None:
-        """A job of ``session`` ran on ``slot`` (``None``: keyless, or unknown content)."""
-        self._clean.discard(slot)
-        self._owners[slot] = session
-        self._tick += 1
-        self._used[slot] = self._tick
-
-    def mark_clean(self, slot: int) -> None:
-        """``slot`` was erased (acknowledged) and nothing ran on it since."""
-        self._owners.pop(slot, None)
-        self._clean.add(slot)
-
-    def last_used(self, slot: int) -> int:
-        return self._used.get(slot, 0)
-
-    def holders(self) -> dict[str, list[int]]:
-        """Session -> the slots it owns, most recently used first."""
-        out: dict[str, list[int]] = {}
-        for slot, session in self._owners.items():
-            if session is not None:
-                out.setdefault(session, []).append(slot)
-        for slots in out.values():
-            if len(slots) > 1:
-                slots.sort(key=self.last_used, reverse=True)
-        return out
-
-    def snapshot(self) -> dict[int, str | None]:
-        """Slot -> hashed session (``None`` for dirty slots), sorted by slot id."""
-        return {
-            slot: (None if session is None else hash_session(session))
-            for slot, session in sorted(self._owners.items())
-        }
-
-
 def choose_slot(
     free: list[int],
     *,
     session: str | None,
-    owners: SlotOwners,
+    table: SlotTable,
     wanted: Callable[[str], bool] = lambda _session: False,
 ) -> int | None:
     """Pick the slot a job of ``session`` is pinned to, from ``free`` (not modified).
 
     The session's own slot first (most recently used); otherwise the cheapest
-    handoff: a slot needing no erase (fresh or clean), then one whose owner has no
-    job waiting in this turn (``wanted`` says which owners do), least recently used
-    first, then the lowest id. ``None`` when ``free`` is empty.
+    handoff: a slot that is safe as it is (fresh or clean), then one whose owner
+    has no job waiting in this turn (``wanted`` says which owners do), least
+    recently used first, then the lowest id. ``None`` when ``free`` is empty.
     """
     if not free:
         return None
     if session is not None:
         best: int | None = None
         for slot in free:
-            if owners.owner(slot) == session and (
-                best is None or owners.last_used(slot) > owners.last_used(best)
+            if table.owner(slot) == session and (
+                best is None or table.last_used(slot) > table.last_used(best)
             ):
                 best = slot
         if best is not None:
             return best
 
     def cost(slot: int) -> tuple[bool, bool, int, int]:
-        owner = owners.owner(slot)
+        owner = table.owner(slot)
         return (
-            owners.needs_erase(slot, session),
+            not table.safe_for(slot, session),
             owner is not None and wanted(owner),
-            owners.last_used(slot),
+            table.last_used(slot),
             slot,
         )
 
@@ -557,11 +465,10 @@ class _Model:
         "lane",
         "loading",
         "model_id",
-        "owners",
-        "pins",
         "queue",
         "running",
         "sessions",
+        "table",
         "waiting",
     )
 
@@ -574,8 +481,7 @@ class _Model:
         self.sessions: dict[str, _JobDeque] = {}  # session -> its queued completions
         self.waiting = 0  # queued jobs of this model (claimed or not, exclusive too)
         self.running = 0  # admitted completions not yet settled
-        self.pins: dict[int, Job] = {}  # slot -> running job pinned to it
-        self.owners = SlotOwners()
+        self.table = SlotTable()
         self.loading = False
 
     def __repr__(self) -> str:
@@ -661,9 +567,8 @@ class SchedulerPolicy:
     ``affinity`` turns session-first ordering within a turn on or off; a queued job
     that has waited ``affinity_max_wait`` seconds goes first regardless (without it,
     chats that hold slots and come straight back, as agents do, starve a chat that
-    holds none); ``pinning``
-    names slot ids (``Grant.slot_id``); ``erase_on_handoff`` marks handoffs for an
-    erase (ownership is tracked either way).
+    holds none); ``erase_on_handoff`` off (a benchmark baseline, never for users)
+    skips the erase of another session's known KV before a handoff.
     """
 
     def __init__(
@@ -673,7 +578,6 @@ class SchedulerPolicy:
         residency: Residency = "swap",
         max_queue: int = 256,
         affinity: bool = True,
-        pinning: bool = True,
         erase_on_handoff: bool = True,
         affinity_max_wait: float = 1.0,
     ) -> None:
@@ -685,7 +589,6 @@ class SchedulerPolicy:
         self.max_queue = max_queue
         self.affinity = affinity
         self.affinity_max_wait = affinity_max_wait
-        self.pinning = pinning
         self.erase_on_handoff = erase_on_handoff
         self._models: dict[str, _Model] = {}
         self._groups: dict[str, _Group] = {}
@@ -695,11 +598,17 @@ class SchedulerPolicy:
         self._run_ewma_s: float | None = None
         # counters
         self.admissions = 0
-        self.unpinned_admissions = 0
         self.switches = 0
         self.erases_ok = 0
         self.erases_failed = 0
         self.erases_skipped = 0  # handoffs to the same session: KV kept
+        self.erases_after_keyless = 0  # off the critical path, after a keyless job
+        self.parks_saved = 0
+        self.parks_skipped = 0  # the parked copy was still current
+        self.parks_restored = 0
+        self.parks_failed = 0
+        self.reconciliations = 0
+        self.held_out = 0  # slots found busy with work the host did not send
         self.slot_polls = 0
         self.slot_measurements = 0
         self.slot_measure_failures = 0
@@ -923,10 +832,9 @@ class SchedulerPolicy:
             turn = _Turn(model, bound=min(_seq(group.exclusive.head()), self._seq))
         previous = group.last_turn
         if self.residency == "swap" and previous is not None and previous != model.model_id:
+            # The outgoing engine may be stopped; if it is, its next generation is
+            # fresh, and if it is not, nobody else touched its slots: its table holds.
             self.switches += 1
-            outgoing = self._models.get(previous)
-            if outgoing is not None:
-                outgoing.owners.forget()  # its engine is being swapped out
         group.turn = turn
         group.last_turn = self._last_turn = model.model_id
         return turn
@@ -1008,7 +916,7 @@ class SchedulerPolicy:
         if model is None:
             return
         model.loading = False
-        model.owners.sync(model.lane.generation)
+        self.sync_table(model)
         group = self._groups.get(model.group_key)
         if group is not None and group.turn is not None and group.turn.model is model:
             group.turn.ready = True
@@ -1044,12 +952,36 @@ class SchedulerPolicy:
 
     # ------------------------------------------------------------------ admission
 
-    def admit(self, model_id: str, measured: SlotMeasurement | None, *, now: float) -> Admission:
-        """Admit jobs of ``model_id``'s turn against ``measured`` (taken just now).
+    def sync_table(self, model: _Model) -> list[Job]:
+        """Adopt the lane's engine generation and slot count in ``model``'s table.
 
-        Re-derives everything (the turn may have changed while the measurement was
-        in flight). Each admitted job is RUNNING, carries its pin (``slot_id``) and
-        whether its slot must be erased first (``erase``).
+        Returns the running jobs whose pins the new engine no longer has (it has
+        fewer slots): they must not send anything more.
+        """
+        lost = model.table.sync(model.lane.generation, max(1, model.lane.slot_count))
+        return [job for job in lost if isinstance(job, Job)]
+
+    def table(self, model_id: str) -> SlotTable:
+        """``model_id``'s slot table (synced to its lane's current generation)."""
+        model = self._models[model_id]
+        self.sync_table(model)
+        return model.table
+
+    def table_of(self, job: Job) -> SlotTable:
+        """The slot table of ``job``'s model (even if the model was removed since)."""
+        model = job.model_state
+        assert model is not None
+        self.sync_table(model)
+        return model.table
+
+    def admit(self, model_id: str, measured: SlotMeasurement | None, *, now: float) -> Admission:
+        """Admit jobs of ``model_id``'s turn onto free slots of its table.
+
+        ``measured`` is a fresh ``/slots`` sample for an external engine (only the
+        slots it names idle may be pinned; ``None`` or no ids: nothing is admitted);
+        it is ignored for an engine the host spawned. Re-derives everything (the
+        turn may have changed meanwhile). Each admitted job is RUNNING and pinned
+        (``slot_id``), except exclusive ops and calls that use no slot.
         """
         model = self._models.get(model_id)
         if model is None:
@@ -1064,21 +996,20 @@ class SchedulerPolicy:
         if turn.head() is None:
             return _NOTHING
         lane = model.lane
-        generation = lane.generation
-        owners = model.owners
-        owners.sync(generation)
-        room = admission_capacity(max(1, lane.parallel), model.running, measured)
+        self.sync_table(model)
+        table = model.table
+        room = max(1, lane.parallel) - model.running
+        free = table.free()
+        if not lane.sole_client:
+            # Another client may be using any slot: pin only what the sample names idle.
+            named = () if measured is None or measured.ids is None else measured.ids
+            free = [slot for slot in free if slot in named]
+            if measured is not None:
+                room = min(room, measured.idle)
+        room = min(room, len(free))
         if room <= 0:
             return Admission(poll=model.running == 0)
-        free = free_slot_ids(measured, model.pins) if self.pinning else None
-        if free is not None:
-            # Slots we pinned may still look idle to the engine: never admit more jobs
-            # than ids we can honestly name, or the rest would run unpinned on slots
-            # that hold another chat's KV.
-            room = min(room, len(free))
-            if room <= 0:
-                return Admission(poll=model.running == 0)
-        holders = owners.holders() if (self.affinity or free) else {}
+        holders = table.holders() if self.affinity else {}
 
         def wanted(session: str) -> bool:
             return turn.pending_for(session) is not None
@@ -1088,12 +1019,23 @@ class SchedulerPolicy:
             job = self._next(turn, holders, now)
             if job is None:
                 break
-            slot = None
-            if free is not None:
-                slot = choose_slot(free, session=job.session, owners=owners, wanted=wanted)
-                if slot is not None:
-                    free.remove(slot)
-            self._start(model, job, slot, generation, now)
+            if job.any_slot:
+                # The engine picks its slot: it may run only when it can have them all.
+                if model.running > 0 or not table.all_free() or len(free) < len(table):
+                    break
+                self._start(model, job, None, now)
+                for each in free:
+                    table.pin(each, job)
+                admitted.append(job)
+                break
+            pin: int | None = None
+            if job.needs_slot:
+                pin = choose_slot(free, session=job.session, table=table, wanted=wanted)
+                assert pin is not None  # room <= len(free)
+                free.remove(pin)
+                if job.session is not None and table.owner(pin) == job.session:
+                    self.erases_skipped += 1
+            self._start(model, job, pin, now)
             admitted.append(job)
             room -= 1
         return Admission(tuple(admitted))
@@ -1116,37 +1058,24 @@ class SchedulerPolicy:
                 return best
         return head
 
-    def _start(
-        self, model: _Model, job: Job, slot: int | None, generation: int, now: float
-    ) -> None:
+    def _start(self, model: _Model, job: Job, slot: int | None, now: float) -> None:
         self._unqueue_to_running(job)
         job.slot_id = slot
-        job.generation = generation
+        job.generation = model.table.generation
         job.admitted_at = now
         model.running += 1
         self.admissions += 1
-        if slot is None:
-            # The engine picks the slot; we cannot know which. Nothing can be
-            # recorded for it, and any slot we track may now hold this job's KV.
-            self.unpinned_admissions += 1
-            model.owners.forget()
-            job.erase = False
-            return
-        model.pins[slot] = job
-        job.handoff_from = model.owners.owner(slot)
-        if model.owners.needs_erase(slot, job.session):
-            job.erase = self.erase_on_handoff
-        else:
-            job.erase = False
-            if model.owners.owned(slot):
-                self.erases_skipped += 1
+        if slot is not None:
+            model.table.pin(slot, job)
 
-    def settle(self, job: Job, *, now: float) -> None:
+    def settle(self, job: Job, *, now: float, keep_pin: bool = False) -> None:
         """``job`` left its ``async with`` block (finished, failed or cancelled).
 
-        Records ownership: a job that ran owns its slot (dirty if a needed erase was
-        not acknowledged); an erased slot nobody ran on is clean; an unpinned job
-        that ran taints the model's map. Records nothing across a generation change.
+        Records what its slot now holds: a job whose request was sent leaves its
+        session's KV (keyless: dirty). Its pin is released unless ``keep_pin``
+        (the Trio layer erases a keyless job's slot first and then calls
+        :meth:`release`). An exclusive op or an any-slot job leaves every slot
+        unknown.
         """
         if job.state is not JobState.RUNNING:
             return
@@ -1157,6 +1086,7 @@ class SchedulerPolicy:
             took = max(0.0, now - job.admitted_at)
             ewma = self._run_ewma_s
             self._run_ewma_s = took if ewma is None else 0.8 * ewma + 0.2 * took
+        table = model.table
         if job.exclusive:
             group = self._groups.get(model.group_key)
             if group is not None:
@@ -1164,32 +1094,35 @@ class SchedulerPolicy:
                     group.active.remove(job)
                 if group.turn is not None and group.turn.exclusive is job:
                     group.turn = None
-            model.owners.forget()  # the op used the engine's slots as it pleased
+            table.forget()  # the op used the engine's slots as it pleased
             return
         model.running -= 1
-        slot = job.slot_id
-        if slot is not None and model.pins.get(slot) is job:
-            del model.pins[slot]
-        owners = model.owners
-        owners.sync(model.lane.generation)
-        if job.generation != owners.generation:
-            return  # the engine restarted under the job: its slots are fresh
-        if slot is None:
+        if job.any_slot:
+            for entry in table.slots:
+                if entry.pin is job:
+                    table.unpin(entry.id, job)
             if job.ran:
-                owners.forget()
-        elif job.ran:
-            if job.erase and not job.erase_ok:
-                owners.record(slot, None)  # unerased handoff: content unknown
-            else:
-                owners.record(slot, job.session)
-        elif job.erase and job.erase_ok:
-            owners.mark_clean(slot)
+                table.forget()
+            return
+        slot = job.slot_id
+        if slot is None or table.pinned_to(slot) is not job:
+            return  # no slot, or the engine restarted with fewer slots
+        if job.ran:
+            table.completed(slot, job, job.session)
+        if not keep_pin:
+            table.unpin(slot, job)
+
+    def release(self, job: Job) -> None:
+        """Release a pin kept by :meth:`settle` (after the keyless job's erase)."""
+        model = job.model_state
+        if model is not None and job.slot_id is not None:
+            model.table.unpin(job.slot_id, job)
 
     def forget_slots(self, model_id: str) -> None:
-        """Drop ``model_id``'s slot owners (see :meth:`SlotOwners.forget`)."""
+        """Make every slot of ``model_id`` unknown (see :meth:`SlotTable.forget`)."""
         model = self._models.get(model_id)
         if model is not None:
-            model.owners.forget()
+            model.table.forget()
 
     # ------------------------------------------------------------------ counters, stats
 
@@ -1215,14 +1148,16 @@ class SchedulerPolicy:
         model = self._models.get(model_id)
         return 0 if model is None else model.running
 
-    def owners_of(self, model_id: str) -> SlotOwners:
-        return self._models[model_id].owners
+    def note_reconciliation(self, held_out: int) -> None:
+        self.reconciliations += 1
+        self.held_out += held_out
 
     def snapshot(self) -> SchedulerStats:
         waiting: dict[str, int] = {}
         waiting_ids: dict[str, int] = {}
         running: dict[str, int] = {}
         owners: dict[str, dict[int, str | None]] = {}
+        slots: dict[str, dict[str, object]] = {}
         loading: list[str] = []
         for model in self._models.values():
             if model.waiting:
@@ -1232,8 +1167,18 @@ class SchedulerPolicy:
                 running[model.model_id] = model.running
             if model.loading:
                 loading.append(model.model_id)
-            if model.owners.generation == model.lane.generation and len(model.owners):
-                owners[model.model_id] = model.owners.snapshot()
+            table = model.table
+            if table.generation is not None and table.generation == model.lane.generation:
+                stats = table.statistics()
+                if stats.owners:
+                    owners[model.model_id] = stats.owners
+                slots[model.model_id] = {
+                    "generation": stats.generation,
+                    "slots": stats.slots,
+                    "pinned": stats.pinned,
+                    "held_out": stats.held_out,
+                    "contents": stats.contents,
+                }
         active = tuple(
             ActiveOp(job.model_id, job.kind) for g in self._groups.values() for job in g.active
         )
@@ -1250,13 +1195,22 @@ class SchedulerPolicy:
             active_ops=active,
             loading=tuple(loading),
             slot_owners=owners,
+            slots=slots,
             erases={
                 "ok": self.erases_ok,
                 "failed": self.erases_failed,
                 "skipped_same_session": self.erases_skipped,
+                "after_keyless": self.erases_after_keyless,
+            },
+            parking={
+                "saved": self.parks_saved,
+                "save_skipped_current": self.parks_skipped,
+                "restored": self.parks_restored,
+                "failed": self.parks_failed,
             },
             admissions=self.admissions,
-            unpinned_admissions=self.unpinned_admissions,
+            reconciliations=self.reconciliations,
+            held_out=self.held_out,
             switches=self.switches,
             slot_polls=self.slot_polls,
             slot_measurements=self.slot_measurements,

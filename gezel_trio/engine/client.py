@@ -1,0 +1,351 @@
+"""``EngineClient``: the one owner of upstream HTTP to an engine.
+
+Everything the host sends to a llama-server goes through here: control calls
+(``/slots`` and its save, restore and erase actions), forwarded requests, and
+streams. Two rules live here and nowhere else:
+
+- **One retry rule.** A request is retried once, and only when it went out on
+  a *reused* keep-alive connection that failed before any byte of the request
+  was written (the engine closed the idle connection under us). A fresh
+  connection is never retried, and nothing is retried once the request was
+  sent: the engine may have acted on it.
+- **One error map.** Transport failures become project errors: silence past
+  the read timeout is :class:`EngineTimeout` (504); any other failure, a dead
+  or crashed engine, is the engine's :meth:`crash_error` (502).
+
+The client also counts what it sends (``calls`` by action, and a short ring of
+recent calls), which is how tests and ``/api/status`` see the upstream calls a
+request cost.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+import trio
+
+from ..errors import EngineCrashed, EngineFailed, EngineTimeout, GezelError
+
+__all__ = [
+    "EngineClient",
+    "EngineEndpoint",
+    "UpstreamCall",
+    "UpstreamHead",
+    "UpstreamResult",
+    "request_once",
+    "sse_error_event",
+]
+
+# Hop-by-hop and framing headers never relayed from the engine.
+_DROP_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "content-length",
+        "content-encoding",
+        "server",
+        "date",
+        "access-control-allow-origin",
+        "access-control-allow-credentials",
+        "access-control-allow-methods",
+        "access-control-allow-headers",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamHead:
+    status: int
+    headers: tuple[tuple[str, str], ...]
+
+    @property
+    def content_type(self) -> str:
+        for k, v in self.headers:
+            if k == "content-type":
+                return v
+        return "application/octet-stream"
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamResult:
+    head: UpstreamHead
+    content: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.content)
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamCall:
+    """One request sent to the engine: its order, what it was, and the slot it named."""
+
+    seq: int
+    action: str
+    slot: int | None
+
+
+class EngineEndpoint(Protocol):
+    """Where the engine is now (it moves on every restart) and how its death reads."""
+
+    @property
+    def base_url(self) -> str | None: ...
+
+    def crash_error(self, detail: str) -> EngineCrashed: ...
+
+
+def _head(resp: httpx.Response) -> UpstreamHead:
+    headers = tuple(
+        (k.lower(), v) for k, v in resp.headers.multi_items() if k.lower() not in _DROP_HEADERS
+    )
+    return UpstreamHead(resp.status_code, headers)
+
+
+class _Trace:
+    """httpcore's trace events for one attempt: was the connection reused, and did any
+    byte of the request go out?"""
+
+    __slots__ = ("fresh", "writing")
+
+    def __init__(self) -> None:
+        self.fresh = False
+        self.writing = False
+
+    async def __call__(self, name: str, info: Mapping[str, Any]) -> None:
+        if name.startswith(("connection.connect_tcp", "connection.connect_unix")):
+            self.fresh = True
+        elif name.startswith(("http11.send_request_headers", "http2.send")) and not name.endswith(
+            ".failed"
+        ):
+            self.writing = True
+
+    def retryable(self, exc: httpx.HTTPError) -> bool:
+        """A reused connection that failed before the request's first byte was written."""
+        return (
+            not self.fresh
+            and not self.writing
+            and isinstance(exc, httpx.TransportError)
+            and not isinstance(exc, httpx.TimeoutException)
+        )
+
+
+async def _send(
+    http: httpx.AsyncClient, request: httpx.Request, *, stream: bool = False
+) -> httpx.Response:
+    """Send with the one retry rule (see the module docstring)."""
+    for attempt in (1, 2):
+        trace = _Trace()
+        request.extensions = {**request.extensions, "trace": trace}
+        try:
+            return await http.send(request, stream=stream)
+        except httpx.HTTPError as exc:
+            if attempt == 1 and trace.retryable(exc):
+                continue
+            raise
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def request_once(
+    http: httpx.AsyncClient, method: str, url: str, **kwargs: Any
+) -> httpx.Response:
+    """One request to an engine under the one retry rule; httpx errors propagate.
+
+    For callers that hold a bare URL (the co-batch probe, the speed benchmark,
+    tools pointed at any llama-server). Cancellation closes the connection.
+    """
+    timeout = kwargs.pop("timeout", httpx.USE_CLIENT_DEFAULT)
+    request = http.build_request(method, url, timeout=timeout, **kwargs)
+    return await _send(http, request)
+
+
+def _timeout(read_timeout: float | None) -> httpx.Timeout:
+    return httpx.Timeout(connect=10.0, read=read_timeout, write=60.0, pool=None)
+
+
+def sse_error_event(error: GezelError) -> bytes:
+    """An SSE event carrying an OpenAI-shaped error, sent when a stream fails midway."""
+    payload = {"error": {"message": error.message, "type": error.type, "code": error.code}}
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+class EngineClient:
+    """Upstream HTTP to one engine (wherever it runs now). See the module docstring.
+
+    ``read_timeout`` bounds the silence between bytes of a forwarded request or
+    stream (``None``: unbounded); control calls have short fixed timeouts.
+    """
+
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        endpoint: EngineEndpoint,
+        *,
+        read_timeout: float | None,
+        model_id: str = "",
+        recent: int = 256,
+    ) -> None:
+        self._http = http
+        self._endpoint = endpoint
+        self.read_timeout = read_timeout
+        self.model_id = model_id
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.recent: collections.deque[UpstreamCall] = collections.deque(maxlen=recent)
+        self._seq = itertools.count(1)
+
+    def __repr__(self) -> str:
+        return f"<EngineClient {self.model_id} {self._endpoint.base_url or '-'}>"
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _url(self, path: str) -> str:
+        base = self._endpoint.base_url
+        if base is None:
+            raise self._endpoint.crash_error("the engine is not running")
+        return base + path
+
+    def _note(self, action: str, slot: int | None = None) -> None:
+        self.calls[action] += 1
+        self.recent.append(UpstreamCall(next(self._seq), action, slot))
+
+    def error_for(self, exc: httpx.HTTPError, timeout_s: float | None) -> GezelError:
+        """The one map from an httpx failure to the project's error."""
+        if isinstance(exc, httpx.TimeoutException):
+            what = f"{timeout_s:g}s" if timeout_s else "the configured time"
+            return EngineTimeout(
+                f"the engine sent nothing for {what} ({type(exc).__name__}); "
+                "it may be hung or overloaded"
+            )
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return self._endpoint.crash_error(detail)
+
+    async def _control(
+        self,
+        method: str,
+        path: str,
+        *,
+        action: str,
+        slot: int | None = None,
+        answer_within: float,
+        **kwargs: Any,
+    ) -> httpx.Response:
+        url = self._url(path)
+        self._note(action, slot)
+        request = self._http.build_request(method, url, timeout=answer_within, **kwargs)
+        try:
+            return await _send(self._http, request)
+        except httpx.HTTPError as exc:
+            raise self.error_for(exc, answer_within) from exc
+
+    # ------------------------------------------------------------------ control calls
+
+    async def slots(self, *, answer_within: float = 2.0) -> list[Any] | None:
+        """``GET /slots``: the engine's slot rows, or ``None`` when it answers
+        something other than a JSON list. Raises a project error on failure."""
+        resp = await self._control("GET", "/slots", action="slots", answer_within=answer_within)
+        if resp.status_code != 200:
+            return None
+        try:
+            rows = resp.json()
+        except ValueError:
+            return None
+        return rows if isinstance(rows, list) else None
+
+    async def slot_action(
+        self,
+        slot: int,
+        action: str,
+        *,
+        filename: str | None = None,
+        answer_within: float = 30.0,
+    ) -> dict[str, Any]:
+        """``POST /slots/{slot}?action=erase|save|restore``; the engine's answer.
+
+        Returns once the engine acknowledged (200). Raises EngineFailed naming the
+        slot and status otherwise, or a project error on a transport failure.
+        Cancellation closes the connection; the engine may still carry it out.
+        """
+
+        resp = await self._control(
+            "POST",
+            f"/slots/{slot}",
+            action=action,
+            slot=slot,
+            answer_within=answer_within,
+            params={"action": action},
+            json=None if filename is None else {"filename": filename},
+        )
+        if resp.status_code != 200:
+            raise EngineFailed(
+                f"{action} of slot {slot} answered {resp.status_code}: {resp.text[:200]}"
+            )
+        try:
+            body = resp.json()
+        except ValueError:
+            body = {}
+        return body if isinstance(body, dict) else {}
+
+    # ------------------------------------------------------------------ requests
+
+    async def forward(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Mapping[str, Any] | None = None,
+        params: Mapping[str, str] | None = None,
+        slot: int | None = None,
+    ) -> UpstreamResult:
+        """Send one request and read the whole answer. Cancellation closes the
+        connection (llama-server stops the task when it notices)."""
+        url = self._url(path)
+        self._note(path, slot)
+        request = self._http.build_request(
+            method, url, json=body, params=params, timeout=_timeout(self.read_timeout)
+        )
+        try:
+            resp = await _send(self._http, request)
+        except httpx.HTTPError as exc:
+            raise self.error_for(exc, self.read_timeout) from exc
+        return UpstreamResult(_head(resp), resp.content)
+
+    async def stream(
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        send: trio.MemorySendChannel[UpstreamHead | bytes],
+        *,
+        slot: int | None = None,
+    ) -> UpstreamHead:
+        """POST ``body`` and push the head, then each raw chunk, into ``send``.
+
+        Raises a project error if the engine fails before the head or mid-stream.
+        Cancellation (the client went away) closes the upstream response at once,
+        which makes llama-server stop generating. ``send`` is not closed here.
+        """
+        url = self._url(path)
+        self._note(path, slot)
+        request = self._http.build_request(
+            "POST", url, json=body, timeout=_timeout(self.read_timeout)
+        )
+        try:
+            resp = await _send(self._http, request, stream=True)
+        except httpx.HTTPError as exc:
+            raise self.error_for(exc, self.read_timeout) from exc
+        try:
+            head = _head(resp)
+            await send.send(head)
+            try:
+                async for chunk in resp.aiter_raw():
+                    await send.send(chunk)
+            except httpx.HTTPError as exc:
+                raise self.error_for(exc, self.read_timeout) from exc
+            return head
+        finally:
+            with trio.move_on_after(2, shield=True):
+                await resp.aclose()

@@ -1,0 +1,343 @@
+"""The slot table: what every slot of one engine holds, who is pinned to it, and why.
+
+The host owns one :class:`SlotTable` per engine. It is the only record of slot
+state the scheduler trusts: free slot ids come from it (not from a ``GET /slots``
+sample on the request path), and a job may run on a slot only when the table
+says the slot holds nothing but the job's own session.
+
+Each slot has a *content*:
+
+- ``FRESH``: untouched since this engine generation began;
+- ``CLEAN``: an erase was acknowledged and nothing ran since;
+- ``OWNED``: holds one session's KV (``session``);
+- ``KEYLESS``: a keyless job ran on it (dirty: erased before anyone's next use);
+- ``UNKNOWN``: nothing vouches for it (an erase, restore or completion was sent
+  and not acknowledged, an exclusive op used the engine freely, or
+  reconciliation found work the host did not send). Erased before any use.
+
+Every transition is recorded *before* the I/O that causes it: a slot becomes
+``UNKNOWN`` before an erase, restore or completion is sent
+(:meth:`SlotTable.sending`), and ``CLEAN`` or ``OWNED`` only once the engine has
+acknowledged the erase or restore, or the completion has ended. A cancelled
+erase therefore leaves the slot ``UNKNOWN``, never falsely ``CLEAN``.
+
+A *pin* (the job holding a slot) is separate from content. Pins survive an
+engine restart (:meth:`SlotTable.sync` makes every slot ``FRESH``, and a pinned
+job simply carries on in the new generation); they are released only by
+:meth:`SlotTable.unpin`. A slot can also be *held out*: reconciliation saw it
+busy with work the host did not send, and until a later sample shows it idle
+nobody is pinned to it.
+
+Plain bookkeeping with no I/O: :mod:`gezel_trio.scheduler.dispatcher` drives it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from gezel_trio.sessions import session_hash
+
+__all__ = ["Content", "Preparation", "SlotEntry", "SlotTable", "SlotTableStats"]
+
+
+class Content(enum.Enum):
+    FRESH = "fresh"
+    CLEAN = "clean"
+    OWNED = "owned"
+    KEYLESS = "keyless"
+    UNKNOWN = "unknown"
+
+
+@dataclass(slots=True)
+class SlotEntry:
+    """One slot. ``session`` is set only while ``content`` is ``OWNED``."""
+
+    id: int
+    content: Content = Content.FRESH
+    session: str | None = None
+    pin: object | None = None
+    held_out: bool = False
+    parked_current: bool = False
+    """The owner's parked copy (KV parking) equals the slot's content: no save needed."""
+    last_used: int = 0
+    released: int = 0
+    """The table's tick when the slot was last unpinned (for reconciliation races)."""
+
+    def safe_for(self, session: str | None) -> bool:
+        """Whether a job of ``session`` may run on this slot as it is."""
+        if self.content in (Content.FRESH, Content.CLEAN):
+            return True
+        return self.content is Content.OWNED and session is not None and self.session == session
+
+
+@dataclass(frozen=True, slots=True)
+class Preparation:
+    """What must happen to a slot before a job of ``session`` may run on it.
+
+    ``park``: the session whose KV to save first (its parked copy is stale);
+    ``restore``: the job's own parked KV replaces the slot's content (which also
+    isolates it); ``erase``: the slot must be erased. At most one of
+    ``restore`` and ``erase`` is set.
+    """
+
+    park: str | None = None
+    restore: bool = False
+    erase: bool = False
+
+    @property
+    def calls(self) -> int:
+        return int(self.park is not None) + int(self.restore) + int(self.erase)
+
+
+NOTHING_TO_PREPARE = Preparation()
+
+
+@dataclass(frozen=True, slots=True)
+class SlotTableStats:
+    generation: int | None
+    slots: int
+    pinned: int
+    held_out: int
+    contents: dict[str, int]
+    owners: dict[int, str | None]  # slot -> hashed session (None: a keyless job's KV)
+
+
+class SlotTable:
+    """The slots of one engine, for its current generation. See the module docstring."""
+
+    __slots__ = ("_tick", "generation", "slots")
+
+    def __init__(self, size: int = 0, *, generation: int | None = None) -> None:
+        self.generation = generation
+        self.slots: list[SlotEntry] = [SlotEntry(i) for i in range(size)]
+        self._tick = 0
+
+    def __repr__(self) -> str:
+        pinned = sum(1 for s in self.slots if s.pin is not None)
+        return f"<SlotTable gen={self.generation} slots={len(self.slots)} pinned={pinned}>"
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    @property
+    def tick(self) -> int:
+        return self._tick
+
+    def _advance(self) -> int:
+        self._tick += 1
+        return self._tick
+
+    # ------------------------------------------------------------------ generations
+
+    def sync(self, generation: int, size: int) -> list[object]:
+        """Adopt the engine's generation and slot count.
+
+        A new generation is a new engine process: every slot is ``FRESH`` and
+        nothing is held out. Pins are kept (their jobs carry on in the new
+        process), except pins on slot ids the new engine no longer has: those
+        jobs are returned, and must not send anything more.
+        """
+        if generation == self.generation and size == len(self.slots):
+            return []
+        lost: list[object] = []
+        restarted = generation != self.generation
+        old = self.slots
+        self.generation = generation
+        self.slots = [SlotEntry(i) for i in range(size)]
+        for entry in old:
+            if entry.id < size:
+                new = self.slots[entry.id]
+                new.pin = entry.pin
+                new.last_used = entry.last_used
+                if not restarted:  # same process, new size: keep what we knew
+                    new.content, new.session = entry.content, entry.session
+                    new.held_out, new.parked_current = entry.held_out, entry.parked_current
+            elif entry.pin is not None:
+                lost.append(entry.pin)
+        return lost
+
+    def forget(self) -> None:
+        """Nothing vouches for any slot any more (an exclusive op used the engine as
+        it pleased): each becomes ``UNKNOWN`` and is erased before its next use."""
+        for entry in self.slots:
+            entry.content, entry.session, entry.parked_current = Content.UNKNOWN, None, False
+
+    # ------------------------------------------------------------------ pins
+
+    def free(self) -> list[int]:
+        """Slot ids a new job may be pinned to: not pinned, not held out."""
+        return [s.id for s in self.slots if s.pin is None and not s.held_out]
+
+    def all_free(self) -> bool:
+        return bool(self.slots) and all(s.pin is None and not s.held_out for s in self.slots)
+
+    def pin(self, slot: int, job: object) -> None:
+        entry = self.slots[slot]
+        if entry.pin is not None:
+            raise AssertionError(f"slot {slot} is already pinned to {entry.pin!r}")
+        if entry.held_out:
+            raise AssertionError(f"slot {slot} is held out")
+        entry.pin = job
+        entry.last_used = self._advance()
+
+    def pinned_to(self, slot: int) -> object | None:
+        return self.slots[slot].pin if 0 <= slot < len(self.slots) else None
+
+    def unpin(self, slot: int, job: object) -> None:
+        """Release ``job``'s pin on ``slot`` (a no-op if it no longer holds it)."""
+        if 0 <= slot < len(self.slots) and self.slots[slot].pin is job:
+            entry = self.slots[slot]
+            entry.pin = None
+            entry.released = self._advance()
+
+    # ------------------------------------------------------------------ content
+
+    def owner(self, slot: int) -> str | None:
+        entry = self.slots[slot]
+        return entry.session if entry.content is Content.OWNED else None
+
+    def content(self, slot: int) -> Content:
+        return self.slots[slot].content
+
+    def safe_for(self, slot: int, session: str | None) -> bool:
+        return self.slots[slot].safe_for(session)
+
+    def last_used(self, slot: int) -> int:
+        return self.slots[slot].last_used
+
+    def holders(self) -> dict[str, list[int]]:
+        """Session -> the slots whose KV it owns, most recently used first."""
+        out: dict[str, list[int]] = {}
+        for entry in sorted(self.slots, key=lambda s: s.last_used, reverse=True):
+            if entry.content is Content.OWNED and entry.session is not None:
+                out.setdefault(entry.session, []).append(entry.id)
+        return out
+
+    def preparation(
+        self,
+        slot: int,
+        session: str | None,
+        *,
+        erase_on_handoff: bool = True,
+        parking: bool = False,
+        is_parked: Callable[[str], bool] = lambda _s: False,
+    ) -> Preparation:
+        """What a job of ``session`` needs done to ``slot`` before it runs (no I/O).
+
+        With ``parking``: the outgoing owner's KV is saved first unless its parked
+        copy is current, and the job's own parked KV is restored in place of an
+        erase. ``erase_on_handoff`` off (a benchmark baseline) skips the erase of
+        another session's or a keyless job's KV, but never of ``UNKNOWN`` content.
+        """
+        entry = self.slots[slot]
+        if entry.safe_for(session):
+            if (
+                parking
+                and session is not None
+                and entry.content is not Content.OWNED
+                and is_parked(session)
+            ):
+                return Preparation(restore=True)
+            return NOTHING_TO_PREPARE
+        park = None
+        if (
+            parking
+            and entry.content is Content.OWNED
+            and entry.session is not None
+            and not entry.parked_current
+        ):
+            park = entry.session
+        if parking and session is not None and is_parked(session):
+            return Preparation(park=park, restore=True)
+        if not erase_on_handoff and entry.content is not Content.UNKNOWN:
+            return Preparation(park=park)
+        return Preparation(park=park, erase=True)
+
+    def sending(self, slot: int, job: object) -> None:
+        """``job`` is about to send an erase, restore or completion to ``slot``: from
+        now until the engine acknowledges, nothing vouches for its content."""
+        entry = self._pinned(slot, job)
+        entry.content, entry.session, entry.parked_current = Content.UNKNOWN, None, False
+
+    def erased(self, slot: int, job: object) -> None:
+        """The engine acknowledged an erase of ``slot`` sent by ``job``."""
+        entry = self._pinned(slot, job)
+        entry.content, entry.session, entry.parked_current = Content.CLEAN, None, False
+
+    def restored(self, slot: int, job: object, session: str) -> None:
+        """The engine acknowledged a restore of ``session``'s parked KV into ``slot``."""
+        entry = self._pinned(slot, job)
+        entry.content, entry.session, entry.parked_current = Content.OWNED, session, True
+
+    def parked(self, slot: int, job: object, session: str) -> None:
+        """``session``'s KV in ``slot`` was saved (acknowledged): its parked copy is current."""
+        entry = self._pinned(slot, job)
+        if entry.content is Content.OWNED and entry.session == session:
+            entry.parked_current = True
+
+    def completed(self, slot: int, job: object, session: str | None) -> None:
+        """``job``'s completion on ``slot`` ended (finished, failed or cancelled).
+
+        The job ran only on a slot that was safe for it, so the slot now holds its
+        session's KV and nothing else (keyless: dirty).
+        """
+        entry = self._pinned(slot, job)
+        entry.parked_current = False
+        entry.last_used = self._advance()
+        if session is None:
+            entry.content, entry.session = Content.KEYLESS, None
+        else:
+            entry.content, entry.session = Content.OWNED, session
+
+    def _pinned(self, slot: int, job: object) -> SlotEntry:
+        entry = self.slots[slot]
+        if entry.pin is not job:
+            raise AssertionError(f"slot {slot} is not pinned to {job!r} (pinned: {entry.pin!r})")
+        return entry
+
+    # ------------------------------------------------------------------ reconciliation
+
+    def reconcile(self, busy: Iterable[int], *, sampled_at: int) -> list[int]:
+        """Apply a ``/slots`` sample requested at tick ``sampled_at``.
+
+        A slot the engine reports busy that no job of ours holds, and that was not
+        released after the sample was requested, runs work the host did not send:
+        it becomes ``UNKNOWN`` and is held out. A held-out slot the engine reports
+        idle is released (still ``UNKNOWN``: erased before use). Returns the slot
+        ids newly held out.
+        """
+        busy_ids = set(busy)
+        newly: list[int] = []
+        for entry in self.slots:
+            if entry.id in busy_ids:
+                if entry.pin is None and entry.released <= sampled_at:
+                    if not entry.held_out:
+                        newly.append(entry.id)
+                    entry.held_out = True
+                    entry.content, entry.session = Content.UNKNOWN, None
+                    entry.parked_current = False
+            elif entry.held_out:
+                entry.held_out = False
+        return newly
+
+    # ------------------------------------------------------------------ status
+
+    def statistics(self) -> SlotTableStats:
+        contents: dict[str, int] = {}
+        owners: dict[int, str | None] = {}
+        for entry in self.slots:
+            contents[entry.content.value] = contents.get(entry.content.value, 0) + 1
+            if entry.content is Content.OWNED:
+                owners[entry.id] = session_hash(entry.session)
+            elif entry.content is Content.KEYLESS:
+                owners[entry.id] = None
+        return SlotTableStats(
+            generation=self.generation,
+            slots=len(self.slots),
+            pinned=sum(1 for s in self.slots if s.pin is not None),
+            held_out=sum(1 for s in self.slots if s.held_out),
+            contents=contents,
+            owners=owners,
+        )
