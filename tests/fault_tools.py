@@ -78,6 +78,7 @@ def held_summary(host: Host) -> dict[str, Any]:
         "lease_holders": dict(arb.holders),
         "lease_waiters": len(arb.waiters),
         "busy_engines": {mid: rt.engine.busy for mid, rt in host.models.items() if rt.engine.busy},
+        "pinned_slots": {m: t["pinned"] for m, t in sched.slots.items() if t["pinned"]},
     }
 
 
@@ -89,6 +90,7 @@ def _is_clear(summary: dict[str, Any]) -> bool:
         and not summary["lease_holders"]
         and summary["lease_waiters"] == 0
         and not summary["busy_engines"]
+        and not summary["pinned_slots"]
     )
 
 

@@ -894,6 +894,77 @@ async def test_cancelled_running_job_records_ownership_and_frees_its_slot(
     assert a.bleeds == []
 
 
+class ParkingFakeLane(FakeLane):
+    """A FakeLane with slot save and restore. The engine carries an action out at
+    once and acknowledges it ``park_time`` later: a caller cancelled in between has
+    changed the slot without hearing so, as with a real engine."""
+
+    def __init__(self, pool: FakePool, model_id: str, *, park_time: float, **kw: Any) -> None:
+        super().__init__(pool, model_id, **kw)
+        self.park_time = park_time
+        self.parked: dict[str, str | None] = {}
+
+    def is_parked(self, session: str | None) -> bool:
+        return session is not None and session in self.parked
+
+    async def park_slot(self, slot_id: int, session: str) -> None:
+        self.parked[session] = self.slots[slot_id].kv
+        await trio.sleep(self.park_time)
+
+    async def unpark_slot(self, slot_id: int, session: str) -> bool:
+        if session not in self.parked:
+            return False
+        self.slots[slot_id].kv = self.parked[session]
+        await trio.sleep(self.park_time)
+        return True
+
+
+async def test_a_restore_cancelled_in_flight_leaves_the_slot_unknown(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = ParkingFakeLane(pool, "a", parallel=1, park_time=1.0)
+    async with running({"a": a}) as h:
+        s = h.scheduler
+        h.submit(a, session="chat-2", duration=1.0)
+        h.submit(a, at=1.5, session="chat-1", duration=1.0)  # parks chat-2's KV
+        await trio.sleep(5.0)
+        assert a.slots[0].kv == "chat-1" and "chat-2" in a.parked
+        rec = Record("a", "chat-2", "completion", submitted=trio.current_time())
+
+        async def body(grant: Grant) -> Record:
+            return await a.complete(grant, rec, 1.0)
+
+        # chat-2 comes back: chat-1 is parked (1 s), then chat-2's KV is restored, and
+        # the client walks away while the restore's acknowledgement is in flight.
+        with trio.move_on_after(1.5) as scope:
+            await s.submit("a", body, session="chat-2")
+        assert scope.cancelled_caught and rec.start is None
+        assert a.slots[0].kv == "chat-2"  # the engine did carry the restore out
+        back = h.submit(a, session="chat-1", duration=1.0, label="back")
+    # The slot was unknown, not chat-1's: chat-1 got its own KV back before running.
+    assert back.grant is not None and back.grant.erased and back.cached
+    assert a.bleeds == []
+
+
+async def test_a_job_sent_to_a_restarted_engine_records_what_it_left(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=1, erase_time=1.0)
+    async with running({"a": a}) as h:
+        s = h.scheduler
+        h.submit(a, session="chat-1", duration=1.0)
+        handoff = h.submit(a, at=1.5, session="chat-2", duration=1.0)  # erases 1.5 .. 2.5
+        await trio.sleep(2.0)
+        assert a.holds == 1  # admitted: the engine is held while the slot is prepared
+        a.restart()  # a crash and restart under the admitted job, before it is sent
+        await trio.sleep(2.0)
+        assert handoff.end is not None and a.slots[0].kv == "chat-2"
+        assert s.statistics().slot_owners == {"a": {0: hash_session("chat-2")}}
+        third = h.submit(a, session="chat-3", duration=1.0)
+    assert third.grant is not None and third.grant.erased  # chat-2's KV was erased first
+    assert a.bleeds == [] and a.holds == 0
+
+
 async def test_job_error_propagates_unchanged_and_dispatching_continues(
     autojump_clock: trio.testing.MockClock, pool: FakePool
 ) -> None:
