@@ -220,9 +220,11 @@ class FakeEngine:
             slot.owner = marker
             session = body.get("prompt_cache_key")
             session = session if isinstance(session, str) else None
-            if slot.kv is not None and slot.kv != session:
+            # cache_prompt off: the prompt is evaluated afresh, nothing the slot held is read
+            reads = body.get("cache_prompt") is not False
+            if reads and slot.kv is not None and slot.kv != session:
                 self.bleeds.append(f"{session} on slot {slot.id} holding {slot.kv}")
-            slot.kv = session
+            slot.kv = session if session is not None else f"<keyless {self.requests}>"
             words = [f"t{i}" for i in range(n)]
             if not stream:
                 for _ in words:

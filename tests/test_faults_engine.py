@@ -368,11 +368,7 @@ async def test_hung_engine_does_not_stall_another_model(
                             )
                             latencies.append(trio.current_time() - t0)
                             assert resp.status_code == 200, resp.text
-                    # Two reach the frozen engine and time out; the third waits for a
-                    # slot whose keyless content cannot be erased, and is never sent.
-                    assert sorted(r.status_code for r in hung) == [503, 504, 504]
-                    refused = [r.text for r in hung if r.status_code == 503]
-                    assert "did not acknowledge the erase" in refused[0]
+                    assert [r.status_code for r in hung] == [504, 504, 504]
                     # a hung engine must not hold up the dispatcher for everyone
                     assert max(latencies) < 1.0, latencies
                     os.kill(pid, signal.SIGCONT)

@@ -300,7 +300,8 @@ def test_affinity_runs_slot_holders_first_then_fifo() -> None:
         d.settle(job)
     started = d.step()
     assert started == [k1, x1]  # then FIFO, keyless included
-    assert not any(table.safe_for(j.slot_id, j.session) for j in started if j.slot_id is not None)
+    assert x1.slot_id is not None and not table.safe_for(x1.slot_id, x1.session)  # erased first
+    assert k1.slot_id is not None and table.handoff_cost(k1.slot_id, None) == 3  # blind
     for job in started:
         d.settle(job)
     assert d.step() == [k2]

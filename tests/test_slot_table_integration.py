@@ -54,12 +54,18 @@ def _last_seq(client: EngineClient) -> int:
     return client.recent[-1].seq if client.recent else 0
 
 
-async def _request(
-    host: Host, client: httpx.AsyncClient, session: str | None
-) -> tuple[list[str], list[str]]:
-    """One chat turn on an idle host: (calls up to and including its completion, calls
-    after it), as the engine client sent them."""
+async def _settled(host: Host) -> None:
+    """Nothing held, and the background erase of an idle keyless slot is done."""
+    assert host.scheduler is not None
+    await trio.sleep(host.scheduler.settings.idle_erase_delay + 0.05)
     await wait_nothing_held(host)
+
+
+async def _request(
+    host: Host, client: httpx.AsyncClient, session: str | None, *, settle: bool = True
+) -> tuple[list[str], list[str]]:
+    """One chat turn: (calls up to and including its completion, calls after it until
+    the host is idle again), as the engine client sent them."""
     upstream = host.models["tiny"].client
     since = _last_seq(upstream)
     body = dict(CHAT)
@@ -67,7 +73,8 @@ async def _request(
         body["prompt_cache_key"] = session
     resp = await client.post(CHAT_PATH, json=body)
     assert resp.status_code == 200, resp.text
-    await wait_nothing_held(host)
+    if settle:
+        await _settled(host)
     calls = [c.action for c in upstream.recent if c.seq > since and c.action != "slots"]
     at = calls.index(CHAT_PATH)
     return calls[: at + 1], calls[at + 1 :]
@@ -79,8 +86,11 @@ async def test_upstream_calls_on_the_critical_path(
     cfg = _cfg(tiny_model, state_dir, engine_binary, parallel=1)
     with trio.fail_after(120):
         async with running(cfg) as (host, client):
-            # keyless: the completion alone; its slot is erased after it, off the path
+            # keyless: the completion alone; its slot is erased once idle, off the path
             assert await _request(host, client, None) == ([CHAT_PATH], ["erase"])
+            assert await _request(host, client, None) == ([CHAT_PATH], ["erase"])
+            # back to back, the next keyless request takes the slot as it is (blind)
+            assert await _request(host, client, None, settle=False) == ([CHAT_PATH], [])
             assert await _request(host, client, None) == ([CHAT_PATH], ["erase"])
             # keyed, on a clean slot, then on the slot the session already owns
             assert await _request(host, client, "chat-A") == ([CHAT_PATH], [])
@@ -94,6 +104,28 @@ async def test_upstream_calls_on_the_critical_path(
             )
             stats = host.scheduler.statistics() if host.scheduler else None
             assert stats is not None and stats.parking["restored"] == 1
+
+
+async def test_a_keyless_request_reuses_nothing_the_slot_held(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    """Two identical keyless prompts back to back on one slot: the second is not
+    erased before, and the engine reports no cached token for it (it was sent with
+    cache_prompt off). The same prompt keyed does get the cache."""
+    cfg = _cfg(tiny_model, state_dir, engine_binary, parallel=1)
+    body = {**CHAT, "max_tokens": 2}
+    with trio.fail_after(120):
+        async with running(cfg) as (host, client):
+            first = await client.post(CHAT_PATH, json=body)
+            second = await client.post(CHAT_PATH, json=body)
+            for resp in (first, second):
+                assert resp.status_code == 200
+                assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            await _settled(host)
+            keyed = {**body, "prompt_cache_key": "chat-A"}
+            await client.post(CHAT_PATH, json=keyed)
+            again = (await client.post(CHAT_PATH, json=keyed)).json()
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
 async def test_keyed_handoff_without_parking_costs_two_calls(

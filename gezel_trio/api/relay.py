@@ -50,11 +50,15 @@ def session_of(body: dict[str, Any]) -> str | None:
 
 
 def upstream_body(body: dict[str, Any], grant: Grant) -> dict[str, Any]:
-    """The body sent to the engine: the client's, with the scheduler's ``id_slot``."""
+    """The body sent to the engine: the client's, with the scheduler's ``id_slot``,
+    and ``cache_prompt`` off for a keyless request (it may reuse nothing the slot
+    holds)."""
     out = dict(body)
     out.pop("id_slot", None)
     if grant.slot_id is not None:
         out["id_slot"] = grant.slot_id
+    if grant.blind:
+        out["cache_prompt"] = False
     return out
 
 

@@ -21,10 +21,14 @@ from the model's :class:`~gezel_trio.scheduler.slots.SlotTable`: it parks the
 outgoing session's KV (unless its parked copy is current), restores the
 caller's own parked KV, or erases the slot, recording each transition before
 the I/O. Only a slot whose content is the caller's own session's, or empty, is
-handed over; when an erase is not acknowledged the request fails (503) and the
-slot stays unknown. Exit records what the slot now holds and wakes the
-dispatcher on every path. A keyless job's slot is erased *after* it ends, off
-the critical path: it stays pinned until the engine acknowledges the erase.
+handed over to a keyed job; when an erase is not acknowledged the request
+fails (503) and the slot stays unknown. A keyless job is blind
+(``grant.blind``: the caller sends it with ``cache_prompt`` off, so it reads
+nothing the slot held) and needs no erase before it. Exit records what the
+slot now holds and wakes the dispatcher on every path. The slot a keyless job
+leaves is erased off the critical path once it has stayed idle for
+``idle_erase_delay`` (pinned until the engine acknowledges), or before a keyed
+job takes it, whichever comes first.
 
 For engines the host spawned, free slots come from the table; ``/slots`` is
 only sampled to reconcile (every ``reconcile_interval``, and when capacity is
@@ -74,6 +78,7 @@ from gezel_trio.scheduler.policy import (
     SchedulerStats,
     SlotMeasurement,
 )
+from gezel_trio.scheduler.slots import Content
 
 __all__ = [
     "EngineLane",
@@ -154,12 +159,23 @@ class SchedulerSettings:
     erase_timeout: float = 5.0
     park_timeout: float = 30.0
     reconcile_interval: float = 5.0
+    idle_erase_delay: float = 0.1
 
     def __post_init__(self) -> None:
         if self.slot_poll <= 0:
             raise ValueError(f"slot_poll must be > 0, not {self.slot_poll}")
         if self.reconcile_interval <= 0:
             raise ValueError(f"reconcile_interval must be > 0, not {self.reconcile_interval}")
+        if self.idle_erase_delay < 0:
+            raise ValueError(f"idle_erase_delay must be >= 0, not {self.idle_erase_delay}")
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class _Cleanup:
+    """The pin of a background erase (no job holds the slot meanwhile)."""
+
+    model_id: str
+    slot: int
 
 
 @dataclass(eq=False, slots=True)
@@ -388,28 +404,28 @@ class Scheduler:
 
     def _release(self, job: _TrioJob) -> None:
         """The caller's block is over (or never started): settle the job. Synchronous,
-        so cancellation cannot interrupt it. A keyless job's slot stays pinned while
-        the dispatcher's nursery erases it."""
+        so cancellation cannot interrupt it. A keyless job's slot is erased later,
+        once it has stayed idle."""
         if job.state is not JobState.RUNNING:
             return
         self._running.discard(job)
         policy = self._policy
+        policy.settle(job, now=trio.current_time())
+        self._drop_hold(job)
+        slot = job.slot_id
         lane = self._lanes.get(job.model_id)
-        erase_after = (
+        if (
             job.ran
             and job.session is None
-            and job.slot_id is not None
-            and policy.erase_on_handoff
+            and slot is not None
             and lane is not None
             and self._nursery is not None
             and not self._closed
-        )
-        policy.settle(job, now=trio.current_time(), keep_pin=erase_after)
-        if erase_after:
-            assert self._nursery is not None and lane is not None
-            self._nursery.start_soon(self._erase_after, job, lane)
-        else:
-            self._drop_hold(job)
+        ):
+            table = policy.table_of(job)
+            if slot < len(table):
+                released = table.slots[slot].released
+                self._nursery.start_soon(self._erase_when_idle, job, lane, released)
         self._wake()
 
     @staticmethod
@@ -493,6 +509,7 @@ class Scheduler:
         return Grant(
             model_id=job.model_id,
             slot_id=slot,
+            blind=slot is not None and job.session is None,
             erased=erased,
             queue_wait_s=trio.current_time() - job.submitted_at,
             prepare_calls=calls,
@@ -560,16 +577,29 @@ class Scheduler:
             f"({failure}); the request was not sent"
         )
 
-    async def _erase_after(self, job: _TrioJob, lane: EngineLane) -> None:
-        """After a keyless job: erase its slot, then release the pin (and the engine)."""
+    async def _erase_when_idle(self, job: _TrioJob, lane: EngineLane, released: int) -> None:
+        """Erase the slot a keyless job left, once nobody has used it for
+        ``idle_erase_delay``. The slot is pinned (to this cleanup) until the engine
+        acknowledges; a failure leaves it unknown (erased before its next keyed use)."""
+        await trio.sleep(self.settings.idle_erase_delay)
         slot = job.slot_id
         assert slot is not None
+        table = self._policy.table_of(job)
+        if slot >= len(table) or not lane.ready:
+            return
+        entry = table.slots[slot]
+        if (
+            entry.pin is not None
+            or entry.held_out
+            or entry.content is not Content.KEYLESS
+            or entry.released != released
+        ):
+            return  # used again since (or made fresh by a restart)
+        cleanup = _Cleanup(job.model_id, slot)
+        table.pin(slot, cleanup)
         try:
-            with trio.move_on_after(self.settings.erase_timeout):
-                table = self._policy.table_of(job)
-                if table.pinned_to(slot) is not job or table.safe_for(slot, None):
-                    return  # a restart made it fresh meanwhile
-                table.sending(slot, job)
+            with lane.hold(), trio.move_on_after(self.settings.erase_timeout):
+                table.sending(slot, cleanup)
                 try:
                     await lane.erase_slot(slot)
                 except Exception as exc:
@@ -577,13 +607,12 @@ class Scheduler:
                     self._policy.note_erase(ok=False)
                     return
                 table = self._policy.table_of(job)
-                if table.pinned_to(slot) is job:
-                    table.erased(slot, job)
+                if table.pinned_to(slot) is cleanup:
+                    table.erased(slot, cleanup)
                 self._policy.note_erase(ok=True)
                 self._policy.erases_after_keyless += 1
         finally:
-            self._policy.release(job)
-            self._drop_hold(job)
+            self._policy.table_of(job).unpin(slot, cleanup)
             self._wake()
 
     # ------------------------------------------------------------------ dispatcher

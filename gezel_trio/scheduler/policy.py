@@ -119,8 +119,10 @@ class Grant:
 
     ``slot_id`` is the pin to send upstream as ``id_slot`` (``None`` for exclusive
     jobs, for embeddings, which hold every slot, and for calls that use no slot);
-    ``erased`` says an acknowledged erase or restore of that slot preceded this
-    grant; ``queue_wait_s`` is the time from the request to this grant (engine
+    ``blind``: a keyless job on a slot that may hold another job's KV; the caller
+    must send it with ``cache_prompt`` off, so the engine reuses nothing the slot
+    holds. ``erased`` says an acknowledged erase or restore of that slot preceded
+    this grant; ``queue_wait_s`` is the time from the request to this grant (engine
     switch and preparation included); ``prepare_calls`` counts the upstream calls
     made on the request's critical path before its own (save, restore, erase);
     ``generation`` is the engine generation the slot was prepared on.
@@ -130,6 +132,7 @@ class Grant:
     slot_id: int | None
     erased: bool
     queue_wait_s: float
+    blind: bool = False
     prepare_calls: int = 0
     generation: int | None = None
 
@@ -335,9 +338,11 @@ def choose_slot(
     """Pick the slot a job of ``session`` is pinned to, from ``free`` (not modified).
 
     The session's own slot first (most recently used); otherwise the cheapest
-    handoff: a slot that is safe as it is (fresh or clean), then one whose owner
-    has no job waiting in this turn (``wanted`` says which owners do), least
-    recently used first, then the lowest id. ``None`` when ``free`` is empty.
+    handoff (:meth:`SlotTable.handoff_cost`: a keyless job takes a keyless slot
+    first, a keyed one a clean slot, and displacing a session's KV comes last),
+    then one whose owner has no job waiting in this turn (``wanted`` says which
+    owners do), least recently used first, then the lowest id. ``None`` when
+    ``free`` is empty.
     """
     if not free:
         return None
@@ -351,10 +356,10 @@ def choose_slot(
         if best is not None:
             return best
 
-    def cost(slot: int) -> tuple[bool, bool, int, int]:
+    def cost(slot: int) -> tuple[int, bool, int, int]:
         owner = table.owner(slot)
         return (
-            not table.safe_for(slot, session),
+            table.handoff_cost(slot, session),
             owner is not None and wanted(owner),
             table.last_used(slot),
             slot,
@@ -1068,14 +1073,12 @@ class SchedulerPolicy:
         if slot is not None:
             model.table.pin(slot, job)
 
-    def settle(self, job: Job, *, now: float, keep_pin: bool = False) -> None:
+    def settle(self, job: Job, *, now: float) -> None:
         """``job`` left its ``async with`` block (finished, failed or cancelled).
 
         Records what its slot now holds: a job whose request was sent leaves its
-        session's KV (keyless: dirty). Its pin is released unless ``keep_pin``
-        (the Trio layer erases a keyless job's slot first and then calls
-        :meth:`release`). An exclusive op or an any-slot job leaves every slot
-        unknown.
+        session's KV (keyless: dirty), and its pin is released. An exclusive op or
+        an any-slot job leaves every slot unknown.
         """
         if job.state is not JobState.RUNNING:
             return
@@ -1109,14 +1112,7 @@ class SchedulerPolicy:
             return  # no slot, or the engine restarted with fewer slots
         if job.ran:
             table.completed(slot, job, job.session)
-        if not keep_pin:
-            table.unpin(slot, job)
-
-    def release(self, job: Job) -> None:
-        """Release a pin kept by :meth:`settle` (after the keyless job's erase)."""
-        model = job.model_state
-        if model is not None and job.slot_id is not None:
-            model.table.unpin(job.slot_id, job)
+        table.unpin(slot, job)
 
     def forget_slots(self, model_id: str) -> None:
         """Make every slot of ``model_id`` unknown (see :meth:`SlotTable.forget`)."""

@@ -21,6 +21,13 @@ Every transition is recorded *before* the I/O that causes it: a slot becomes
 acknowledged the erase or restore, or the completion has ended. A cancelled
 erase therefore leaves the slot ``UNKNOWN``, never falsely ``CLEAN``.
 
+A keyed job runs only on a slot that holds its own session's KV or nothing. A
+keyless job is *blind*: it is sent with ``cache_prompt`` off, so the engine
+re-evaluates its whole prompt and reuses nothing the slot held (measured on
+llama-server: ``timings.cache_n`` is 0), and it may run on any slot without an
+erase. What it leaves (``KEYLESS``) is erased before a keyed job uses the slot,
+and in the background once the slot has stayed idle.
+
 A *pin* (the job holding a slot) is separate from content. Pins survive an
 engine restart (:meth:`SlotTable.sync` makes every slot ``FRESH``, and a pinned
 job simply carries on in the new generation); they are released only by
@@ -66,10 +73,25 @@ class SlotEntry:
     """The table's tick when the slot was last unpinned (for reconciliation races)."""
 
     def safe_for(self, session: str | None) -> bool:
-        """Whether a job of ``session`` may run on this slot as it is."""
-        if self.content in (Content.FRESH, Content.CLEAN):
+        """Whether a job of ``session`` may run on this slot as it is (a keyless job
+        is blind: it reads nothing the slot holds)."""
+        if session is None or self.content in (Content.FRESH, Content.CLEAN):
             return True
-        return self.content is Content.OWNED and session is not None and self.session == session
+        return self.content is Content.OWNED and self.session == session
+
+    def handoff_cost(self, session: str | None) -> int:
+        """How much taking this slot costs a job of ``session``: 0 nothing (its own
+        KV; a keyless job on a keyless slot), 1 a clean slot (kept for keyed chats
+        when a keyless job has a choice), 2 an erase that costs nobody anything
+        (keyless or unknown content), 3 another session's KV is displaced."""
+        content = self.content
+        if content is Content.OWNED:
+            return 0 if session is not None and self.session == session else 3
+        if content is Content.KEYLESS:
+            return 0 if session is None else 2
+        if content is Content.UNKNOWN:
+            return 2
+        return 0 if session is not None else 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +229,9 @@ class SlotTable:
     def last_used(self, slot: int) -> int:
         return self.slots[slot].last_used
 
+    def handoff_cost(self, slot: int, session: str | None) -> int:
+        return self.slots[slot].handoff_cost(session)
+
     def holders(self) -> dict[str, list[int]]:
         """Session -> the slots whose KV it owns, most recently used first."""
         out: dict[str, list[int]] = {}
@@ -228,10 +253,15 @@ class SlotTable:
 
         With ``parking``: the outgoing owner's KV is saved first unless its parked
         copy is current, and the job's own parked KV is restored in place of an
-        erase. ``erase_on_handoff`` off (a benchmark baseline) skips the erase of
-        another session's or a keyless job's KV, but never of ``UNKNOWN`` content.
+        erase. A keyless job needs no erase (it is blind), only the park of a
+        session it displaces. ``erase_on_handoff`` off (a benchmark baseline) skips
+        the erase of another session's or a keyless job's KV, never of ``UNKNOWN``.
         """
         entry = self.slots[slot]
+        if session is None:
+            if parking and entry.content is Content.OWNED and not entry.parked_current:
+                return Preparation(park=entry.session)
+            return NOTHING_TO_PREPARE
         if entry.safe_for(session):
             if (
                 parking
