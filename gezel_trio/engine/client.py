@@ -5,10 +5,15 @@ Everything the host sends to a llama-server goes through here: control calls
 streams. Two rules live here and nowhere else:
 
 - **One retry rule.** A request is retried once, and only when it went out on
-  a *reused* keep-alive connection that failed before any byte of the request
-  was written (the engine closed the idle connection under us). A fresh
-  connection is never retried, and nothing is retried once the request was
-  sent: the engine may have acted on it.
+  a *reused* keep-alive connection that the engine had closed: the connection
+  failed before a single byte of a response came back. llama-server
+  (cpp-httplib) closes a keep-alive connection only while it waits for the
+  next request on it, never with a request half read, so none of such a
+  request was processed. (Measured here: requests that meet such a connection
+  usually get their bytes written into the kernel before the reset arrives,
+  so "no byte written" alone would turn every one of them into a 502.) A
+  fresh connection is never retried, nor is anything once the engine has
+  started to answer.
 - **One error map.** Transport failures become project errors: silence past
   the read timeout is :class:`EngineTimeout` (504); any other failure, a dead
   or crashed engine, is the engine's :meth:`crash_error` (502).
@@ -109,29 +114,30 @@ def _head(resp: httpx.Response) -> UpstreamHead:
 
 class _Trace:
     """httpcore's trace events for one attempt: was the connection reused, and did any
-    byte of the request go out?"""
+    byte of the engine's answer arrive?"""
 
-    __slots__ = ("fresh", "writing")
+    __slots__ = ("answered", "fresh")
 
     def __init__(self) -> None:
         self.fresh = False
-        self.writing = False
+        self.answered = False
 
     async def __call__(self, name: str, info: Mapping[str, Any]) -> None:
         if name.startswith(("connection.connect_tcp", "connection.connect_unix")):
             self.fresh = True
-        elif name.startswith(("http11.send_request_headers", "http2.send")) and not name.endswith(
-            ".failed"
+        elif name in (
+            "http11.receive_response_headers.complete",
+            "http2.receive_response_headers.complete",
         ):
-            self.writing = True
+            self.answered = True
 
     def retryable(self, exc: httpx.HTTPError) -> bool:
-        """A reused connection that failed before the request's first byte was written."""
+        """A reused connection the engine had closed: it failed, not by a timeout,
+        before any byte of an answer (see the module docstring)."""
         return (
             not self.fresh
-            and not self.writing
-            and isinstance(exc, httpx.TransportError)
-            and not isinstance(exc, httpx.TimeoutException)
+            and not self.answered
+            and isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError))
         )
 
 
