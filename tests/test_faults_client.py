@@ -25,12 +25,14 @@ from .conftest import make_config, running
 from .fault_tools import slots_busy, wait_nothing_held, wait_until
 
 CHAT = {"messages": [{"role": "user", "content": "Tell me a long story."}], "temperature": 0}
-LONG = {**CHAT, "max_tokens": 4000, "ignore_eos": True}
+# Long enough that the engine cannot finish before a test walks away, even when the
+# client reads slowly and every token fits in the socket buffers.
+LONG = {**CHAT, "max_tokens": 16000, "ignore_eos": True}
 
 
 def _cfg(tiny_model: Path, state_dir: Path, engine_binary: EngineBinary, *, parallel: int):  # type: ignore[no-untyped-def]
     return make_config(
-        [ModelConfig(id="tiny", path=str(tiny_model), parallel=parallel, ctx_per_slot=4096)],
+        [ModelConfig(id="tiny", path=str(tiny_model), parallel=parallel, ctx_per_slot=16384)],
         state_dir=state_dir,
         engine_binary=engine_binary,
     )
