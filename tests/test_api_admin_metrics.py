@@ -17,7 +17,7 @@ from gezel_trio.api.app import create_app
 from gezel_trio.config import Config, ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.host import Host
-from gezel_trio.metrics import Metrics
+from gezel_trio.host.metrics import Metrics
 from gezel_trio.server import exposure_warning
 
 from .conftest import make_config, running

@@ -36,8 +36,8 @@ from gezel_trio.engine.supervisor import Engine, EngineState, SupervisorTiming, 
 from gezel_trio.gpu.arbiter import GpuArbiter
 from gezel_trio.gpu.ledger import DeviceLedger, open_ledger
 from gezel_trio.host import Host
-from gezel_trio.lane import ModelRuntime
-from gezel_trio.metrics import Metrics
+from gezel_trio.host.metrics import Metrics
+from gezel_trio.host.runtime import ModelRuntime
 from gezel_trio.scheduler import Grant, Scheduler, SchedulerSettings, open_scheduler
 
 from .fakes import FakeBehaviour, FakeLauncher, fake_argv
@@ -113,7 +113,8 @@ class SlotLauncher(FakeLauncher):
         super().__init__(behaviour)
         self.parallel = parallel
         self.erases: list[tuple[int, int, str]] = []  # (port, slot, action)
-        self.http = httpx.AsyncClient(transport=httpx.MockTransport(self._handle_slots))
+        self.transport = httpx.MockTransport(self._handle_slots)
+        self.http = httpx.AsyncClient(transport=self.transport)
 
     async def _handle_slots(self, request: httpx.Request) -> httpx.Response:
         # a real request crosses the network: give it checkpoints to be cancelled at
@@ -187,7 +188,7 @@ async def open_rig(tmp: Path, *, capacity: int = 16 * RESERVE_BYTES) -> AsyncIte
                 )
             )
             config = ModelConfig(id=model_id, path=f"/fake/{model_id}.gguf", parallel=2)
-            client = EngineClient(launcher.http, engine, read_timeout=None, model_id=model_id)
+            client = EngineClient(launcher.transport, engine, read_timeout=None, model_id=model_id)
             runtimes[model_id] = ModelRuntime(
                 config=config, engine=engine, client=client, arbiter=arbiter
             )

@@ -89,8 +89,8 @@ async def serving(plan: Plan) -> AsyncIterator[Endpoint]:
 
 @asynccontextmanager
 async def client_for(endpoint: Endpoint, read_timeout: float = 5.0) -> AsyncIterator[EngineClient]:
-    async with httpx.AsyncClient() as http:
-        yield EngineClient(http, endpoint, read_timeout=read_timeout, model_id="m")
+    async with httpx.AsyncHTTPTransport() as transport:
+        yield EngineClient(transport, endpoint, read_timeout=read_timeout, model_id="m")
 
 
 async def test_a_kept_alive_connection_the_engine_closed_is_retried_once() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import logging
 from typing import Any
 
@@ -13,7 +12,7 @@ from quart import Blueprint, Response, current_app, request
 from ..config import Config, GpuPolicySetting, LogLevel, _coerce, validate
 from ..errors import ConfigError, FieldError
 from ..host import Host
-from .errors import error_response, json_response
+from .errors import json_response
 from .validation import read_json_object
 
 log = logging.getLogger("gezel_trio.api")
@@ -104,7 +103,6 @@ SETTABLE: dict[str, tuple[Any, str]] = {
 }
 # Keys this module applies itself; the others go to ``Host.apply_config``.
 SELF_APPLIED = frozenset({"log_level"})
-SELF_APPLIED_FALLBACK = frozenset({"lock_model"})
 """Applied here only when the host has no ``apply_config``."""
 
 
@@ -174,14 +172,8 @@ def config_view(config: Config) -> dict[str, Any]:
 
 def live_view(host: Host) -> dict[str, Any]:
     """The settings ``PUT /api/config`` changes, as they are now."""
-    live = getattr(host, "live_config", None)
-    out: dict[str, Any] = dict(live()) if callable(live) else {}
-    cfg = host.config
-    out.setdefault("policy", cfg.gpu.policy)
-    out.setdefault("temp_limit_c", cfg.gpu.temp_limit_c)
-    out.setdefault("temp_margin_c", cfg.gpu.temp_margin_c)
-    out.setdefault("lock_model", cfg.scheduler.lock_model)
-    out["log_level"] = cfg.server.log_level
+    out = dict(host.live_config())
+    out["log_level"] = host.config.server.log_level
     return out
 
 
@@ -204,29 +196,13 @@ async def put_config() -> Response:
     """Apply policy, thermal limits, ``lock_model`` and the log level without a restart.
 
     The whole patch is validated first (400 naming the key; nothing applied),
-    then handed to ``Host.apply_config``. Without it, only ``lock_model`` and
-    ``log_level`` can change (501 for the others, nothing applied).
+    then handed to ``Host.apply_config``.
     """
     host = _host()
     patch = validate_config_patch(host.config, await read_json_object())
     for_host = {k: v for k, v in patch.items() if k not in SELF_APPLIED}
-    apply = getattr(host, "apply_config", None)
-    if callable(apply):
-        if for_host:
-            result = apply(for_host)
-            if inspect.isawaitable(result):
-                await result
-    else:
-        pending = sorted(set(for_host) - SELF_APPLIED_FALLBACK)
-        if pending:
-            return error_response(
-                501,
-                f"this host cannot change {', '.join(pending)} live; nothing was applied",
-                type_="server_error",
-                code="not_implemented",
-            )
-        if "lock_model" in patch:
-            host.config.scheduler.lock_model = patch["lock_model"]
+    if for_host:
+        host.apply_config(for_host)
     if "log_level" in patch:
         host.config.server.log_level = patch["log_level"]
         logging.getLogger().setLevel(patch["log_level"].upper())

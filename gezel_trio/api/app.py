@@ -136,7 +136,6 @@ def create_app(host: Host) -> QuartTrio:
     async def health() -> Response:
         return json_response({"status": "ok"})
 
-    from ..metrics import Metrics
     from .admin import bp as admin_bp
     from .metrics_endpoint import install_metrics
     from .native import bp as native_bp
@@ -149,10 +148,5 @@ def create_app(host: Host) -> QuartTrio:
     app.register_blueprint(admin_bp)
     app.register_blueprint(openapi_bp)
     app.register_blueprint(status_page_bp)
-    # The host's own Metrics when it has one (its components report erases,
-    # restarts and lease waits there); else one that reads host.status().
-    metrics = getattr(host, "metrics", None)
-    if not isinstance(metrics, Metrics):
-        metrics = Metrics(status=host.status)
-    install_metrics(app, metrics)
+    install_metrics(app, host.metrics)
     return app

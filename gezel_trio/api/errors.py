@@ -22,7 +22,7 @@ from typing import Any
 
 from quart import Response
 
-from ..errors import GezelError, QueueFull
+from ..errors import FieldError, GezelError, QueueFull
 
 log = logging.getLogger("gezel_trio.api")
 
@@ -63,17 +63,9 @@ def response_for(exc: GezelError) -> Response:
     headers: dict[str, str] = {}
     if isinstance(exc, QueueFull):
         headers["Retry-After"] = str(exc.retry_after)
-    param = getattr(exc, "param", None)
+    param = exc.param if isinstance(exc, FieldError) else None
     if exc.status >= 500:
         log.warning("request failed: %s %s", exc.status, exc.message)
-    body = exc.detail if exc.code == "upstream_error" else None
-    if isinstance(body, (bytes, bytearray)):
-        try:
-            parsed = json.loads(body)
-        except ValueError:
-            parsed = None
-        if isinstance(parsed, dict) and "error" in parsed:
-            return json_response(parsed, exc.status, headers)
     return error_response(
         exc.status, exc.message, type_=exc.type, code=exc.code, param=param, headers=headers
     )

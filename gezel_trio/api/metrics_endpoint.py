@@ -28,7 +28,7 @@ from quart_trio import QuartTrio
 
 from ..errors import GezelError
 from ..host import Host
-from ..metrics import CONTENT_TYPE, Metrics
+from ..host.metrics import CONTENT_TYPE, Metrics
 
 bp = Blueprint("metrics", __name__)
 request_log = logging.getLogger("gezel_trio.requests")

@@ -27,7 +27,8 @@ from quart import Response, g, request
 
 from ..engine.client import UpstreamHead, sse_error_event
 from ..errors import EngineCrashed, FieldError, GezelError
-from ..host import Grant, Host, ModelRuntime
+from ..host import Host, ModelRuntime
+from ..scheduler import Grant
 from ..sessions import session_hash
 from .errors import response_for
 from .validation import check_completion_body

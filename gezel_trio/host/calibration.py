@@ -23,22 +23,24 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx
 import trio
 
-from .engine.arch import ArchVerdict, keeps_recurrent_state
-from .engine.calibrate import CalibrationResult, decide_ceiling, probe_cobatch
-from .engine.supervisor import EngineState
-from .errors import EngineFailed
+from ..engine.arch import ArchVerdict, keeps_recurrent_state
+from ..engine.calibrate import CalibrationResult, decide_ceiling, probe_cobatch
+from ..engine.supervisor import EngineState
+from ..errors import EngineFailed
+from ..scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from .host import Host
-    from .lane import ModelRuntime
+    from .runtime import ModelRuntime
 
-log = logging.getLogger("gezel_trio.calibration")
+log = logging.getLogger("gezel_trio.host.calibration")
 
 
 @dataclass
@@ -101,9 +103,15 @@ class CalibrationBook:
             log.warning("could not save calibration verdicts: %s", exc)
 
 
-def build_fingerprint(host: Host) -> str:
-    facts = host.resolver.facts
-    return facts.fingerprint if facts else "unknown-build"
+@dataclass(frozen=True)
+class Calibrator:
+    """What calibration needs from the host, passed in (no import of the host)."""
+
+    scheduler: Scheduler
+    http: httpx.AsyncClient
+    book: CalibrationBook
+    fingerprint: Callable[[], str]
+    """The engine build's fingerprint (part of a remembered verdict's key)."""
 
 
 def apply_verdict(runtime: ModelRuntime, result: CalibrationResult | None) -> None:
@@ -148,7 +156,7 @@ def detect_architecture(runtime: ModelRuntime) -> None:
         runtime.calibration.last_error = f"architecture unknown: {exc}"
 
 
-async def calibrate(host: Host, runtime: ModelRuntime) -> CalibrationResult:
+async def calibrate(ctx: Calibrator, runtime: ModelRuntime) -> CalibrationResult:
     """Run the co-batch probe as an exclusive operation and apply its verdict.
 
     Waits for the engine's turn (the scheduler drains it first). Raises the
@@ -156,26 +164,24 @@ async def calibrate(host: Host, runtime: ModelRuntime) -> CalibrationResult:
     the engine keeps its current ceiling.
     """
 
-    async with host.slot(runtime, kind="calibrate"):
+    async with ctx.scheduler.slot(runtime.id, kind="calibrate"):
         engine = runtime.engine
         await engine.ensure_ready()
         assert engine.base_url is not None
         parallel = engine.parallel or runtime.config.parallel
         result = await probe_cobatch(
-            host.http,
+            ctx.http,
             engine.base_url,
             parallel=parallel,
             engine_alive=lambda: engine.state.value is EngineState.READY,
         )
     state = runtime.calibration
     state.runs += 1
-    state.fingerprint = build_fingerprint(host)
+    state.fingerprint = ctx.fingerprint()
     state.result = result.to_dict() | {"finished_at": time.time()}
     apply_verdict(runtime, result)
     if runtime.config.path is not None:
-        host.calibration_book.put(
-            CalibrationBook.key(runtime.config.path, state.fingerprint), state.result
-        )
+        ctx.book.put(CalibrationBook.key(runtime.config.path, state.fingerprint), state.result)
     level = logging.INFO if result.passed else logging.ERROR
     log.log(
         level,
@@ -197,7 +203,7 @@ async def calibrate(host: Host, runtime: ModelRuntime) -> CalibrationResult:
 
 
 async def serve_calibration(
-    host: Host,
+    ctx: Calibrator,
     runtime: ModelRuntime,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
@@ -206,12 +212,10 @@ async def serve_calibration(
     await trio.to_thread.run_sync(detect_architecture, runtime)
     state = runtime.calibration
     recurrent = bool(state.arch and state.arch.recurrent)
-    fingerprint = build_fingerprint(host)
+    fingerprint = ctx.fingerprint()
     remembered = None
     if runtime.config.path is not None:
-        remembered = host.calibration_book.get(
-            CalibrationBook.key(runtime.config.path, fingerprint)
-        )
+        remembered = ctx.book.get(CalibrationBook.key(runtime.config.path, fingerprint))
     if remembered is not None:
         state.result, state.fingerprint = remembered, fingerprint
         passed = remembered.get("verdict") == "passed"
@@ -242,6 +246,6 @@ async def serve_calibration(
         await runtime.engine.state.wait_value(new_ready)
         seen = runtime.engine.generation
         try:
-            await calibrate(host, runtime)
+            await calibrate(ctx, runtime)
         except EngineFailed as exc:
             state.last_error = exc.message

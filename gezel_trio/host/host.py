@@ -15,97 +15,48 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
-from pathlib import Path
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from functools import partial
 from typing import Any
 
 import httpx
 import trio
 
-from . import __version__
-from ._trio import unwrapping
-from .calibration import CalibrationBook, calibrate, serve_calibration
-from .config import Config, ModelConfig
-from .engine.argv import build_argv
-from .engine.binary import BuildFacts, EngineBinary, read_build_facts, resolve_engine
-from .engine.client import EngineClient
-from .engine.gguf_meta import GGUFError, read_gguf_info
-from .engine.planner import plan_engine
-from .engine.speed import measure_speed
-from .engine.supervisor import (
-    EngineState,
-    SupervisorTiming,
-    default_slot_save_dir,
-    no_reservation,
-    open_engine,
-)
-from .errors import ConfigError, EngineFailed, EngineNotFound, ModelLocked, NoCapacity, UnknownModel
-from .gpu.arbiter import GpuArbiter, resolve_policy
-from .gpu.health import DeviceSafetyPolicy, HealthGate
-from .gpu.ledger import (
+from .. import __version__
+from .._trio import unwrapping
+from ..config import Config
+from ..engine.client import EngineClient
+from ..engine.gguf_meta import GGUFError, read_gguf_info
+from ..engine.speed import measure_speed
+from ..engine.supervisor import no_reservation, open_engine
+from ..errors import ConfigError, ModelLocked, UnknownModel
+from ..gpu.arbiter import GpuArbiter, resolve_policy
+from ..gpu.health import DeviceSafetyPolicy, HealthGate
+from ..gpu.ledger import (
     CPU_DEVICE,
     DeviceLedger,
     default_capacities,
-    denial_message,
     gpu_device_id,
     open_ledger,
 )
-from .gpu.probe import NvmlProbe, Probe
-from .lane import ModelRuntime
-from .metrics import Metrics
-from .scheduler import (
-    Grant,
+from ..gpu.probe import NvmlProbe, Probe
+from ..scheduler import (
     JobKind,
     Scheduler,
     SchedulerSettings,
     SlotRequest,
     open_scheduler,
 )
+from .calibration import CalibrationBook, Calibrator, calibrate, serve_calibration
+from .metrics import Metrics
+from .placement import EngineResolver, argv_builder, engine_timing, reservation_for
+from .runtime import ModelRuntime
+from .watchers import serve_device_health, serve_memory_pressure
 
 log = logging.getLogger("gezel_trio.host")
 
-__all__ = ["EngineResolver", "Grant", "Host", "ModelRuntime", "open_host"]
-
-
-class EngineResolver:
-    """Resolves the engine binary once, on first need, and remembers the error otherwise."""
-
-    def __init__(self, explicit: str | None) -> None:
-        self._explicit = explicit
-        self._binary: EngineBinary | None = None
-        self.facts: BuildFacts | None = None
-        self.error: EngineNotFound | None = None
-
-    def get(self) -> EngineBinary:
-        if self._binary is None:
-            try:
-                self._binary = resolve_engine(self._explicit)
-                self.error = None
-            except EngineNotFound as exc:
-                self.error = exc
-                raise
-        return self._binary
-
-    async def load_facts(self) -> None:
-        try:
-            binary = self.get()
-        except EngineNotFound:
-            return
-        self.facts = await trio.to_thread.run_sync(read_build_facts, binary)
-
-    def status(self) -> dict[str, Any]:
-        if self._binary is None:
-            return {
-                "path": None,
-                "found_by": None,
-                "error": self.error.message if self.error else None,
-            }
-        return {
-            "path": str(self._binary.path),
-            "found_by": self._binary.found_by,
-            "build": self.facts.as_dict() if self.facts else None,
-        }
+__all__ = ["Host", "open_host"]
 
 
 class Host:
@@ -207,7 +158,7 @@ class Host:
 
     async def calibrate(self, runtime: ModelRuntime) -> dict[str, Any]:
         """Run the co-batch calibration now (an exclusive operation); returns its result."""
-        result = await calibrate(self, runtime)
+        result = await calibrate(self.calibrator(), runtime)
         return result.to_dict()
 
     async def benchmark(
@@ -291,6 +242,22 @@ class Host:
             "pressure_releases": self.pressure_releases,
         }
 
+    def calibrator(self) -> Calibrator:
+        assert self.scheduler is not None, "the host is not open"
+        return Calibrator(
+            scheduler=self.scheduler,
+            http=self.http,
+            book=self.calibration_book,
+            fingerprint=self.build_fingerprint,
+        )
+
+    def build_fingerprint(self) -> str:
+        facts = self.resolver.facts
+        return facts.fingerprint if facts else "unknown-build"
+
+    def note_pressure_release(self, runtime: ModelRuntime) -> None:
+        self.pressure_releases += 1
+
     def compute_device(self) -> str:
         """The ledger device engines are planned against: the first GPU, else RAM."""
         health = self.last_device_health
@@ -301,151 +268,6 @@ class Host:
     async def refresh_device_health(self) -> None:
         health = await self.health_gate.device_health(max_age=1.0)
         self.last_device_health = health.as_dict()
-
-
-def _timing(config: Config, model: ModelConfig) -> SupervisorTiming:
-    e = config.engine
-    return SupervisorTiming(
-        load_timeout=e.load_timeout,
-        health_interval=e.health_interval,
-        health_timeout=min(5.0, max(0.5, e.health_interval)),
-        health_failures=e.health_failures,
-        stop_grace=e.stop_grace,
-        idle_ttl=model.idle_ttl,
-    )
-
-
-def _argv_builder(
-    config: Config, runtime: ModelRuntime, resolver: EngineResolver, state_dir: Path
-) -> Callable[[int], tuple[list[str], int]]:
-    model = runtime.config
-
-    def build(port: int) -> tuple[list[str], int]:
-        binary = resolver.get()
-        assert model.path is not None
-        if not Path(model.path).is_file():
-            raise EngineFailed(
-                f"engine for model {model.id!r} cannot start: "
-                f"the model file {model.path!r} does not exist"
-            )
-        plan = runtime.active_plan
-        profile = build_argv(
-            binary=binary.path,
-            model_path=model.path,
-            port=port,
-            parallel=plan.parallel if plan else model.parallel,
-            ctx_per_slot=plan.ctx_per_slot if plan else model.ctx_per_slot,
-            n_gpu_layers=plan.n_gpu_layers if plan and plan.device == "gpu" else None,
-            slot_save_dir=default_slot_save_dir(state_dir, model.id),
-            host_args=config.engine.extra_args,
-            user_args=model.args,
-            embeddings=model.embeddings,
-            alias=model.id,
-        )
-        return list(profile.argv), profile.parallel
-
-    return build
-
-
-def _reservation(
-    host: Host, runtime: ModelRuntime
-) -> Callable[[], AbstractAsyncContextManager[object]]:
-    """Plan the engine against the ledger's free bytes and hold its reservation.
-
-    The engine process runs inside this block, so the bytes are released only
-    after it has exited. Raises NoCapacity naming bytes needed, free and held.
-    """
-    model = runtime.config
-
-    @asynccontextmanager
-    async def reserve() -> AsyncIterator[object]:
-        assert model.path is not None
-        if runtime.gguf is None:
-            try:
-                runtime.gguf = await trio.to_thread.run_sync(read_gguf_info, model.path)
-            except GGUFError as exc:
-                raise EngineFailed(
-                    f"engine for model {model.id!r} cannot start: {exc.message}"
-                ) from exc
-        info = runtime.gguf
-        device = host.compute_device()
-        budget = host.ledger.capacities.get(device, 0)
-        snapshot = await host.ledger.snapshot()
-        usage = snapshot.devices.get(device)
-        others = [h for h in (usage.holders if usage else ()) if h.owner != model.id]
-        reserved = sum(h.nbytes for h in others)
-        plan = plan_engine(
-            info,
-            budget_bytes=budget,
-            already_reserved_bytes=reserved,
-            requested_ctx_per_slot=model.ctx_per_slot,
-            requested_parallel=model.parallel,
-            gpu=device != CPU_DEVICE,
-        )
-        runtime.plan = plan.as_dict()
-        if not plan.fits:
-            who = denial_message(
-                device=device,
-                nbytes=plan.total_bytes,
-                owner=model.id,
-                model=model.id,
-                capacity=budget,
-                holders=others,
-            )
-            raise NoCapacity(f"{who}. Plan: " + "; ".join(plan.reasons))
-        async with host.ledger.reservation(
-            device, plan.total_bytes, owner=model.id, model=model.id
-        ):
-            runtime.active_plan = plan
-            try:
-                yield plan
-            finally:
-                runtime.active_plan = None
-
-    return reserve
-
-
-async def _serve_memory_pressure(
-    host: Host, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-) -> None:
-    """Release idle engines while VRAM is pressured (the seed's rule).
-
-    Active inference always finishes; an engine idle for ``pressure_grace``
-    seconds is stopped, and restarts lazily on its next request.
-    """
-    task_status.started()
-    grace = host.config.gpu.pressure_grace
-    while True:
-        await trio.sleep(min(5.0, max(0.5, grace / 4)))
-        pressure = await host.arbiter.memory_pressure(max_age=1.0)
-        if not pressure.pressured:
-            continue
-        for rt in host.models.values():
-            engine = rt.engine
-            if rt.config.external or not engine_is_ready(rt):
-                continue
-            if engine.busy == 0 and engine.idle_for() >= grace:
-                log.warning(
-                    "releasing idle engine under memory pressure",
-                    extra={"fields": {"model": rt.id, "detail": pressure.detail}},
-                )
-                host.pressure_releases += 1
-                await engine.stop()
-
-
-def engine_is_ready(rt: ModelRuntime) -> bool:
-    return rt.engine.state.value is EngineState.READY
-
-
-async def _serve_device_health(
-    host: Host, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-) -> None:
-    """Keep a fresh device-health snapshot for status and metrics (NVML reads are cached)."""
-    await host.refresh_device_health()
-    task_status.started()
-    while True:
-        await trio.sleep(5)
-        await host.refresh_device_health()
 
 
 @asynccontextmanager
@@ -471,9 +293,10 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
     state_dir = config.state_dir
     state_dir.mkdir(parents=True, exist_ok=True)
     health = await gate.device_health(max_age=0)
+    transport = httpx.AsyncHTTPTransport(limits=limits)  # one pool: every engine call
     async with (
         unwrapping(),
-        httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(30.0)) as http,
+        httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(30.0)) as http,
         open_ledger(state_dir / "ledger.sqlite", capacities=default_capacities(health)) as ledger,
         AsyncExitStack() as stack,
     ):
@@ -505,17 +328,19 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
                     http=http,
                     argv_builder=None
                     if model.external
-                    else _argv_builder(config, runtime, resolver, state_dir),
+                    else argv_builder(config, runtime, resolver, state_dir),
                     url=model.url,
                     env=env,
-                    timing=_timing(config, model),
+                    timing=engine_timing(config, model),
                     log_lines=config.engine.log_lines,
-                    reserve=no_reservation if model.external else _reservation(host, runtime),
+                    reserve=no_reservation
+                    if model.external
+                    else reservation_for(runtime, ledger=ledger, device=host.compute_device),
                     pid_file=None if model.external else state_dir / "engines" / f"{model.id}.json",
                 )
             )
             runtime.client = EngineClient(
-                http,
+                transport,
                 runtime.engine,
                 read_timeout=config.engine.request_timeout,
                 model_id=model.id,
@@ -543,11 +368,19 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
         )
         async with trio.open_nursery() as tasks:
             host.tasks = tasks
-            await tasks.start(_serve_device_health, host)
-            await tasks.start(_serve_memory_pressure, host)
+            await tasks.start(serve_device_health, host.refresh_device_health)
+            await tasks.start(
+                partial(
+                    serve_memory_pressure,
+                    arbiter,
+                    host.models,
+                    grace=config.gpu.pressure_grace,
+                    on_release=host.note_pressure_release,
+                )
+            )
             for rt in host.models.values():
                 if not rt.config.external:
-                    await tasks.start(serve_calibration, host, rt)
+                    await tasks.start(serve_calibration, host.calibrator(), rt)
             try:
                 yield host
             finally:

@@ -20,19 +20,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config import ModelConfig
+from ..engine.client import EngineClient
+from ..engine.gguf_meta import GGUFInfo
+from ..engine.planner import EnginePlan
+from ..engine.supervisor import Engine, EngineState
+from ..errors import EngineFailed, FieldError, GezelError
+from ..gpu.arbiter import GpuArbiter
+from ..scheduler.policy import SlotMeasurement
+from ..sessions import session_hash
 from .calibration import CalibrationState
-from .config import ModelConfig
-from .engine.client import EngineClient
-from .engine.gguf_meta import GGUFInfo
-from .engine.planner import EnginePlan
-from .engine.supervisor import Engine, EngineState
-from .errors import EngineFailed, FieldError, GezelError
-from .gpu.arbiter import GpuArbiter
 from .metrics import Metrics
-from .scheduler.policy import SlotMeasurement
-from .sessions import session_hash
 
-log = logging.getLogger("gezel_trio.lane")
+log = logging.getLogger("gezel_trio.host.runtime")
 
 
 @dataclass

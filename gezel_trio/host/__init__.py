@@ -1,0 +1,15 @@
+"""The host: every component, opened from the outside in, and how a request runs.
+
+:mod:`.host` holds ``open_host`` and :class:`Host`; :mod:`.runtime` a model as
+the scheduler sees it; :mod:`.placement` an engine's binary, argv and memory
+reservation; :mod:`.calibration` the co-batch verdicts; :mod:`.watchers` memory
+pressure and device health; :mod:`.metrics` the Prometheus collector.
+"""
+
+from __future__ import annotations
+
+from gezel_trio.host.host import Host, open_host
+from gezel_trio.host.placement import EngineResolver
+from gezel_trio.host.runtime import ModelRuntime
+
+__all__ = ["EngineResolver", "Host", "ModelRuntime", "open_host"]

@@ -1,0 +1,170 @@
+"""Where an engine runs: its binary, its command line, its memory plan and reservation.
+
+Plain functions the host wires into each engine's supervisor: the supervisor
+calls the argv builder for every start and runs the process inside the
+reservation, so an engine's bytes are held exactly while its process lives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from ..config import Config, ModelConfig
+from ..engine.argv import build_argv
+from ..engine.binary import BuildFacts, EngineBinary, read_build_facts, resolve_engine
+from ..engine.gguf_meta import GGUFError, read_gguf_info
+from ..engine.planner import plan_engine
+from ..engine.supervisor import SupervisorTiming, default_slot_save_dir
+from ..errors import EngineFailed, EngineNotFound, NoCapacity
+from ..gpu.ledger import CPU_DEVICE, DeviceLedger, denial_message
+from .runtime import ModelRuntime
+
+__all__ = ["EngineResolver", "argv_builder", "engine_timing", "reservation_for"]
+
+
+class EngineResolver:
+    """Resolves the engine binary once, on first need, and remembers the error otherwise."""
+
+    def __init__(self, explicit: str | None) -> None:
+        self._explicit = explicit
+        self._binary: EngineBinary | None = None
+        self.facts: BuildFacts | None = None
+        self.error: EngineNotFound | None = None
+
+    def get(self) -> EngineBinary:
+        if self._binary is None:
+            try:
+                self._binary = resolve_engine(self._explicit)
+                self.error = None
+            except EngineNotFound as exc:
+                self.error = exc
+                raise
+        return self._binary
+
+    async def load_facts(self) -> None:
+        try:
+            binary = self.get()
+        except EngineNotFound:
+            return
+        self.facts = await trio.to_thread.run_sync(read_build_facts, binary)
+
+    def status(self) -> dict[str, Any]:
+        if self._binary is None:
+            return {
+                "path": None,
+                "found_by": None,
+                "error": self.error.message if self.error else None,
+            }
+        return {
+            "path": str(self._binary.path),
+            "found_by": self._binary.found_by,
+            "build": self.facts.as_dict() if self.facts else None,
+        }
+
+
+def engine_timing(config: Config, model: ModelConfig) -> SupervisorTiming:
+    e = config.engine
+    return SupervisorTiming(
+        load_timeout=e.load_timeout,
+        health_interval=e.health_interval,
+        health_timeout=min(5.0, max(0.5, e.health_interval)),
+        health_failures=e.health_failures,
+        stop_grace=e.stop_grace,
+        idle_ttl=model.idle_ttl,
+    )
+
+
+def argv_builder(
+    config: Config, runtime: ModelRuntime, resolver: EngineResolver, state_dir: Path
+) -> Callable[[int], tuple[list[str], int]]:
+    model = runtime.config
+
+    def build(port: int) -> tuple[list[str], int]:
+        binary = resolver.get()
+        assert model.path is not None
+        if not Path(model.path).is_file():
+            raise EngineFailed(
+                f"engine for model {model.id!r} cannot start: "
+                f"the model file {model.path!r} does not exist"
+            )
+        plan = runtime.active_plan
+        profile = build_argv(
+            binary=binary.path,
+            model_path=model.path,
+            port=port,
+            parallel=plan.parallel if plan else model.parallel,
+            ctx_per_slot=plan.ctx_per_slot if plan else model.ctx_per_slot,
+            n_gpu_layers=plan.n_gpu_layers if plan and plan.device == "gpu" else None,
+            slot_save_dir=default_slot_save_dir(state_dir, model.id),
+            host_args=config.engine.extra_args,
+            user_args=model.args,
+            embeddings=model.embeddings,
+            alias=model.id,
+        )
+        return list(profile.argv), profile.parallel
+
+    return build
+
+
+def reservation_for(
+    runtime: ModelRuntime, *, ledger: DeviceLedger, device: Callable[[], str]
+) -> Callable[[], AbstractAsyncContextManager[object]]:
+    """Plan the engine against the ledger's free bytes on ``device()`` (the first
+    GPU, else RAM) and hold its reservation.
+
+    The engine process runs inside this block, so the bytes are released only
+    after it has exited. Raises NoCapacity naming bytes needed, free and held.
+    Cancellation while planning holds nothing; inside, the reservation is
+    released on the way out.
+    """
+    model = runtime.config
+
+    @asynccontextmanager
+    async def reserve() -> AsyncIterator[object]:
+        assert model.path is not None
+        if runtime.gguf is None:
+            try:
+                runtime.gguf = await trio.to_thread.run_sync(read_gguf_info, model.path)
+            except GGUFError as exc:
+                raise EngineFailed(
+                    f"engine for model {model.id!r} cannot start: {exc.message}"
+                ) from exc
+        info = runtime.gguf
+        device_id = device()
+        budget = ledger.capacities.get(device_id, 0)
+        snapshot = await ledger.snapshot()
+        usage = snapshot.devices.get(device_id)
+        others = [h for h in (usage.holders if usage else ()) if h.owner != model.id]
+        reserved = sum(h.nbytes for h in others)
+        plan = plan_engine(
+            info,
+            budget_bytes=budget,
+            already_reserved_bytes=reserved,
+            requested_ctx_per_slot=model.ctx_per_slot,
+            requested_parallel=model.parallel,
+            gpu=device_id != CPU_DEVICE,
+        )
+        runtime.plan = plan.as_dict()
+        if not plan.fits:
+            who = denial_message(
+                device=device_id,
+                nbytes=plan.total_bytes,
+                owner=model.id,
+                model=model.id,
+                capacity=budget,
+                holders=others,
+            )
+            raise NoCapacity(f"{who}. Plan: " + "; ".join(plan.reasons))
+        async with ledger.reservation(device_id, plan.total_bytes, owner=model.id, model=model.id):
+            runtime.active_plan = plan
+            try:
+                yield plan
+            finally:
+                runtime.active_plan = None
+
+    return reserve
