@@ -408,7 +408,7 @@ async def test_cancel_at_every_step_of_a_reservation(tmp_path: Path) -> None:
                 await trio.lowlevel.checkpoint()
 
         async def check(result: Injection) -> None:
-            assert ledger.statistics()["held"] == 0, result
+            assert ledger.statistics().held == 0, result
             assert await ledger_rows(ledger) == {}, result
             async with ledger.reservation("cpu", 4 * RESERVE_BYTES, owner="n", model="n"):
                 pass  # the whole budget is free again
@@ -416,7 +416,7 @@ async def test_cancel_at_every_step_of_a_reservation(tmp_path: Path) -> None:
         with trio.fail_after(60):
             results = await sweep(op, check)
         stats = ledger.statistics()
-        assert stats["admitted"] == stats["released"], stats
+        assert stats.admitted == stats.released, stats
         assert len(results) >= 3
 
 

@@ -48,11 +48,11 @@ async def test_reserve_release_and_snapshot(db: Path) -> None:
             assert snap.devices["cpu"].reserved == 0
             assert await ledger.reserved_bytes("gpu:0") == 3 * GIB
             assert await ledger.reserved_bytes("gpu:0", exclude_owner="pool") == 0
-            assert ledger.statistics()["held_bytes"] == 3 * GIB
+            assert ledger.statistics().held_bytes == 3 * GIB
         snap = await ledger.snapshot()
         assert snap.devices["gpu:0"].reserved == 0 and snap.devices["gpu:0"].holders == ()
         stats = ledger.statistics()
-        assert (stats["admitted"], stats["released"], stats["held"]) == (1, 1, 0)
+        assert (stats.admitted, stats.released, stats.held) == (1, 1, 0)
 
 
 async def test_two_instances_share_the_file_and_deny_with_reasons(db: Path) -> None:
@@ -75,7 +75,7 @@ async def test_two_instances_share_the_file_and_deny_with_reasons(db: Path) -> N
         assert detail["holders"] == [
             {"pid": os.getpid(), "model": "model-a", "owner": "pool/a", "nbytes": 6 * GIB}
         ]
-        assert two.statistics()["denied"] == 1
+        assert two.statistics().denied == 1
         # Exactly the free bytes fit; other devices are independent.
         async with two.reservation("gpu:0", 4 * GIB, owner="pool/b", model="model-b"):
             snap = await one.snapshot()
@@ -171,7 +171,7 @@ async def test_reserve_cancelled_while_its_transaction_runs_holds_nothing(
         assert scope.cancelled_caught
         assert (await ledger.snapshot()).devices["gpu:0"].holders == ()
         stats = ledger.statistics()
-        assert (stats["admitted"], stats["released"], stats["held"]) == (1, 1, 0)
+        assert (stats.admitted, stats.released, stats.held) == (1, 1, 0)
 
 
 async def test_unknown_device_and_oversized_request(db: Path) -> None:
@@ -206,7 +206,7 @@ async def test_reused_pid_does_not_keep_a_dead_process_bytes(db: Path) -> None:
         async with new.reservation("gpu:0", 9 * GIB, owner="o", model="live-model"):
             snap = await new.snapshot()
             assert [h.model for h in snap.devices["gpu:0"].holders] == ["live-model"]
-        assert new.statistics()["reclaimed"] == 1
+        assert new.statistics().reclaimed == 1
 
 
 def test_process_liveness() -> None:
@@ -265,7 +265,7 @@ async def test_killed_process_reservation_is_reclaimed(db: Path) -> None:
             async with ledger.reservation("gpu:0", 8 * GIB, owner="parent", model="big"):
                 snap = await ledger.snapshot()
                 assert [h.model for h in snap.devices["gpu:0"].holders] == ["big"]
-            assert ledger.statistics()["reclaimed"] == 1
+            assert ledger.statistics().reclaimed == 1
     finally:
         proc.kill()
         with trio.move_on_after(10, shield=True):

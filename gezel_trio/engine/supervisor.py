@@ -22,6 +22,7 @@ health-checks them, and their state says whether they are reachable.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import math
 import os
@@ -126,6 +127,36 @@ class _Attempt:
         if not self.done.is_set():
             self.error = error
             self.done.set()
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of one engine for ``/api/status`` and ``/metrics``."""
+
+    key: str
+    model: str
+    external: bool
+    state: str
+    failure: str | None
+    pid: int | None
+    port: int | None
+    url: str | None
+    parallel: int | None
+    generation: int
+    starts: int
+    crashes: int
+    crash_streak: int
+    last_crash: str | None
+    busy: int
+    load_seconds: float | None
+    stop_seconds: float | None
+    argv: tuple[str, ...]
+    log_tail: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["argv"], out["log_tail"] = list(self.argv), list(self.log_tail)
+        return out
 
 
 class Engine:
@@ -261,28 +292,28 @@ class Engine:
             msg += f" (last log lines: {tail})"
         return EngineCrashed(msg)
 
-    def statistics(self) -> dict[str, Any]:
-        return {
-            "key": self.key,
-            "model": self.model_id,
-            "external": self.external,
-            "state": self.state.value.value,
-            "failure": self.failure,
-            "pid": self.pid,
-            "port": self.port,
-            "url": self.base_url,
-            "parallel": self.parallel,
-            "generation": self.generation,
-            "starts": self.starts,
-            "crashes": self.crashes,
-            "crash_streak": self.crash_streak,
-            "last_crash": self.last_crash,
-            "busy": self._busy,
-            "load_seconds": self.last_ready_seconds,
-            "stop_seconds": self.last_stop_seconds,
-            "argv": list(self.argv),
-            "log_tail": self.log.tail(20),
-        }
+    def statistics(self) -> EngineStats:
+        return EngineStats(
+            key=self.key,
+            model=self.model_id,
+            external=self.external,
+            state=self.state.value.value,
+            failure=self.failure,
+            pid=self.pid,
+            port=self.port,
+            url=self.base_url,
+            parallel=self.parallel,
+            generation=self.generation,
+            starts=self.starts,
+            crashes=self.crashes,
+            crash_streak=self.crash_streak,
+            last_crash=self.last_crash,
+            busy=self._busy,
+            load_seconds=self.last_ready_seconds,
+            stop_seconds=self.last_stop_seconds,
+            argv=self.argv,
+            log_tail=tuple(self.log.tail(20)),
+        )
 
     # ------------------------------------------------------------------ the owner task
 

@@ -20,6 +20,7 @@ in worker threads (``trio.to_thread``) with a fresh connection per operation.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sqlite3
@@ -532,19 +533,37 @@ class DeviceLedger:
         with trio.move_on_after(RELEASE_TIMEOUT, shield=True):
             await trio.to_thread.run_sync(self._release_instance_sync)
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self) -> LedgerStats:
         c = self._counters
-        return {
-            "path": str(self._path),
-            "pid": self._identity.pid,
-            "capacities": dict(self._capacities),
-            "held": len(c.held),
-            "held_bytes": sum(r.nbytes for r in c.held.values()),
-            "admitted": c.admitted,
-            "denied": c.denied,
-            "released": c.released,
-            "reclaimed": c.reclaimed,
-        }
+        return LedgerStats(
+            path=str(self._path),
+            pid=self._identity.pid,
+            capacities=dict(self._capacities),
+            held=len(c.held),
+            held_bytes=sum(r.nbytes for r in c.held.values()),
+            admitted=c.admitted,
+            denied=c.denied,
+            released=c.released,
+            reclaimed=c.reclaimed,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerStats:
+    """This process's view of the ledger, for ``/api/status``."""
+
+    path: str
+    pid: int
+    capacities: dict[str, int]
+    held: int
+    held_bytes: int
+    admitted: int
+    denied: int
+    released: int
+    reclaimed: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "capacities": dict(self.capacities)}
 
 
 @asynccontextmanager

@@ -233,12 +233,12 @@ class Host:
             "uptime_s": round(time.time() - self.started_at, 3),
             "config": self.live_config(),
             "engine_binary": self.resolver.status(),
-            "engines": [rt.statistics() for rt in self.models.values()],
+            "engines": [rt.statistics().as_dict() for rt in self.models.values()],
             "scheduler": self.scheduler.statistics().as_dict() if self.scheduler else None,
             "arbiter": self.arbiter.statistics().as_dict(),
             "health_gate": self.health_gate.statistics().as_dict(),
             "gpu": self.last_device_health,
-            "ledger": self.ledger.statistics(),
+            "ledger": self.ledger.statistics().as_dict(),
             "pressure_releases": self.pressure_releases,
         }
 

@@ -24,7 +24,7 @@ from ..config import ModelConfig
 from ..engine.client import EngineClient
 from ..engine.gguf_meta import GGUFInfo
 from ..engine.planner import EnginePlan
-from ..engine.supervisor import Engine, EngineState
+from ..engine.supervisor import Engine, EngineState, EngineStats
 from ..errors import EngineFailed, FieldError, GezelError
 from ..gpu.arbiter import GpuArbiter
 from ..scheduler.policy import SlotMeasurement
@@ -241,19 +241,49 @@ class ModelRuntime:
         self.parking_stats["restored"] += 1
         return True
 
-    def statistics(self) -> dict[str, Any]:
-        stats = self.engine.statistics()
-        stats.update(
-            {
-                "name": self.display_name,
-                "slot_class": self.config.gpu_class,
-                "admission_ceiling": self.parallel,
-                "ceiling_reason": self.ceiling_reason,
-                "plan": self.plan,
-                "calibration": self.calibration.as_dict(),
-                "benchmark": self.last_benchmark,
-                "kv_parking": {**self.parking_stats, "parked": len(self._parked)},
-                "upstream_calls": dict(self.client.calls),
-            }
+    def statistics(self) -> ModelStats:
+        return ModelStats(
+            engine=self.engine.statistics(),
+            name=self.display_name,
+            slot_class=self.config.gpu_class,
+            admission_ceiling=self.parallel,
+            ceiling_reason=self.ceiling_reason,
+            plan=self.plan,
+            calibration=self.calibration.as_dict(),
+            benchmark=self.last_benchmark,
+            kv_parking={**self.parking_stats, "parked": len(self._parked)},
+            upstream_calls=dict(self.client.calls),
         )
-        return stats
+
+
+@dataclass(frozen=True, slots=True)
+class ModelStats:
+    """A snapshot of one model for ``/api/status`` and ``/metrics``: its engine's,
+    and what the host adds (plan, calibration, parking, upstream calls)."""
+
+    engine: EngineStats
+    name: str
+    slot_class: str
+    admission_ceiling: int
+    ceiling_reason: str | None
+    plan: dict[str, Any] | None
+    calibration: dict[str, Any]
+    benchmark: dict[str, Any] | None
+    kv_parking: dict[str, int]
+    upstream_calls: dict[str, int]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The engine's fields and the host's, flat (the status page and the
+        metrics collector read them so)."""
+        return {
+            **self.engine.as_dict(),
+            "name": self.name,
+            "slot_class": self.slot_class,
+            "admission_ceiling": self.admission_ceiling,
+            "ceiling_reason": self.ceiling_reason,
+            "plan": self.plan,
+            "calibration": self.calibration,
+            "benchmark": self.benchmark,
+            "kv_parking": dict(self.kv_parking),
+            "upstream_calls": dict(self.upstream_calls),
+        }
