@@ -25,11 +25,13 @@ from typing import Any
 import trio
 from quart import Response, g, request
 
+from .._trio import unwrapping
 from ..engine.client import UpstreamHead, sse_error_event
 from ..errors import EngineCrashed, FieldError, GezelError
 from ..host import Host, ModelRuntime
 from ..scheduler import Grant
 from ..sessions import session_hash
+from .assemble import Shape, SseDecoder, StreamAssembler, shape_of
 from .errors import response_for
 from .validation import check_completion_body
 
@@ -161,16 +163,77 @@ async def _unary(
     session: str | None,
     rename: ModelRename,
 ) -> Response:
+    """A non-streaming completion: streamed from the engine and assembled here, so a
+    client that walks away (the handler is cancelled) stops generation at once."""
+    shape = shape_of(path)
     async with host.slot(runtime, session=session) as grant:
-        result = await runtime.client.forward(
-            "POST", path, body=upstream_body(body, grant), slot=grant.slot_id
-        )
+        upstream = upstream_body(body, grant)
+        if shape is None:  # pragma: no cover - every completion path has a shape
+            result = await runtime.client.forward("POST", path, body=upstream, slot=grant.slot_id)
+            status, content_type, content = (
+                result.head.status,
+                result.head.content_type,
+                result.content,
+            )
+        else:
+            status, content_type, content = await _assembled(
+                runtime, path, upstream, shape, grant, keep_tokens=body.get("return_tokens") is True
+            )
     _note_for_log(session, grant)
-    return Response(
-        rename.body(result.content),
-        status=result.head.status,
-        content_type=result.head.content_type,
-    )
+    return Response(rename.body(content), status=status, content_type=content_type)
+
+
+async def _assembled(
+    runtime: ModelRuntime,
+    path: str,
+    upstream: dict[str, Any],
+    shape: Shape,
+    grant: Grant,
+    *,
+    keep_tokens: bool,
+) -> tuple[int, str, bytes]:
+    """Send ``upstream`` as a stream and assemble the non-streaming answer: (status,
+    content type, body). An engine error before the stream is relayed as it came;
+    an error event amid it becomes that error's status. Cancellation closes the
+    stream, which stops the engine on its next write."""
+    streamed = {**upstream, "stream": True}
+    if shape != "native":
+        streamed["stream_options"] = {"include_usage": True}
+    send, recv = trio.open_memory_channel[UpstreamHead | bytes](64)
+    assembler = StreamAssembler(shape, keep_tokens=keep_tokens)
+    decoder = SseDecoder()
+    head: UpstreamHead | None = None
+    raw: list[bytes] = []
+
+    async def produce() -> None:
+        async with send:
+            await runtime.client.stream(path, streamed, send, slot=grant.slot_id)
+
+    async with unwrapping(), trio.open_nursery() as nursery:
+        nursery.start_soon(produce)
+        async with recv:
+            async for item in recv:
+                if isinstance(item, UpstreamHead):
+                    head = item
+                elif head is not None and head.status != 200:
+                    raw.append(item)
+                else:
+                    for event in decoder.feed(item):
+                        assembler.feed(event)
+    if head is None:  # pragma: no cover - the producer raised, and that left the nursery
+        raise EngineCrashed("the engine closed the stream before answering")
+    if head.status != 200:
+        return head.status, head.content_type, b"".join(raw)
+    if assembler.error is not None:
+        error = assembler.error.get("error")
+        code = error.get("code") if isinstance(error, dict) else None
+        status = code if isinstance(code, int) and 400 <= code < 600 else 500
+        return status, "application/json; charset=utf-8", _dumps(assembler.error)
+    return 200, "application/json; charset=utf-8", _dumps(assembler.result())
+
+
+def _dumps(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
 
 
 async def _stream(
@@ -196,6 +259,12 @@ async def _stream(
                         )
                 except GezelError as exc:
                     outcome["error"] = exc
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    # the client went away mid-stream: the body stopped reading
+                    log.info(
+                        "client left mid-stream",
+                        extra={"fields": {"model": runtime.id, "session": session_hash(session)}},
+                    )
                 except Exception as exc:  # a bug: never leave the client hanging
                     log.exception("stream job failed")
                     outcome["error"] = EngineCrashed(f"internal error while relaying: {exc!r}")
