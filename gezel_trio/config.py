@@ -39,6 +39,11 @@ class ServerConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     log_level: LogLevel = "info"
     cors_origins: list[str] = field(default_factory=list)
+    stream_start_timeout: float = 10.0
+    """Seconds a streaming response's body may take to start after its head was
+    handed over; past it the client is gone and its request is cancelled."""
+    stream_stall_timeout: float = 120.0
+    """Seconds a streaming client may stop reading before its request is cancelled."""
 
 
 @dataclass
@@ -276,6 +281,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"server.port: expected 0..65535, got {cfg.server.port}")
     if cfg.server.max_body_bytes < 1024:
         raise ConfigError("server.max_body_bytes: expected at least 1024")
+    for name in ("stream_start_timeout", "stream_stall_timeout"):
+        if getattr(cfg.server, name) <= 0:
+            raise ConfigError(f"server.{name}: expected a positive number of seconds")
     for name in ("load_timeout", "request_timeout", "health_interval", "stop_grace"):
         if getattr(cfg.engine, name) <= 0:
             raise ConfigError(f"engine.{name}: expected a positive number of seconds")

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import trio
 
-from gezel_trio.api.native import PRIVATE_SLOT_FIELDS
+from gezel_trio.api.native import PUBLIC_SLOT_FIELDS
 from gezel_trio.config import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 
@@ -86,7 +86,7 @@ async def test_native_passthrough(
                     "model_path"
                 ] == direct_props["model_path"]
 
-            # /slots: read-only, one entry per slot, no conversation text
+            # /slots: read-only, one entry per slot, only the allowed fields
             async with httpx.AsyncClient(limits=ENGINE_LIMITS, base_url=engine.base_url) as direct:
                 raw = (await direct.get("/slots")).json()
             assert any("prompt" in s for s in raw)  # the engine does show it
@@ -94,9 +94,9 @@ async def test_native_passthrough(
             assert slots.status_code == 200, slots.text
             listed = slots.json()
             assert [s["id"] for s in listed] == [0, 1]
-            for s in listed:
-                for key in PRIVATE_SLOT_FIELDS:
-                    assert key not in s
+            for s in listed:  # an allow-list: no prompt, text, params, stop words, grammar
+                assert set(s) <= {*PUBLIC_SLOT_FIELDS, "next_token"}, set(s)
+            assert any("params" in s or "prompt" in s for s in raw)  # what was left out
             assert (await client.get("/slots", params={"model": "tiny"})).json()[0]["id"] == 0
             for path in ("/slots", "/upstream/tiny/slots", "/props"):
                 err = _error(await client.post(path, json={}), 405)

@@ -12,9 +12,11 @@ Bodies and answers pass through untouched, with two exceptions:
   ``id_slot`` is removed; the request runs on the slot the scheduler picks,
   which keeps KV affinity per ``prompt_cache_key`` (or ``X-Session-Id``).
 - ``/slots`` is read-only (``GET``; the engine's save, restore and erase
-  actions are refused with 405), and each slot's ``prompt`` and
-  ``generated`` text is dropped from the answer: one client must not read
-  another's conversation.
+  actions are refused with 405) and passes through an allow-list of fields
+  (:data:`PUBLIC_SLOT_FIELDS`): a slot's id, whether it is busy, its context
+  size and the token counts of its current task. Never prompts, generated
+  text, sampling params, stop words, grammars or logit bias: one client must
+  not read another's conversation or settings.
 
 ``/completion`` is scheduled like every completion (it waits its turn and
 takes a slot). The other four do not occupy a slot: they are forwarded at
@@ -38,8 +40,10 @@ from .validation import read_json_object
 
 bp = Blueprint("native", __name__)
 
-# Fields of a slot in ``GET /slots`` that carry conversation text.
-PRIVATE_SLOT_FIELDS = ("prompt", "generated")
+# The only fields of a slot in ``GET /slots`` a client gets; nested ``next_token``
+# keeps only its counters.
+PUBLIC_SLOT_FIELDS = ("id", "id_task", "n_ctx", "is_processing", "speculative")
+PUBLIC_NEXT_TOKEN_FIELDS = ("has_next_token", "n_remain", "n_decoded")
 
 
 def _host() -> Host:
@@ -181,12 +185,22 @@ def _redact_slots(content: bytes) -> bytes:
         slots = json.loads(content)
     except ValueError as exc:
         raise EngineCrashed("the engine's /slots answer is not JSON") from exc
-    if isinstance(slots, list):
-        for slot in slots:
-            if isinstance(slot, dict):
-                for key in PRIVATE_SLOT_FIELDS:
-                    slot.pop(key, None)
-    return json.dumps(slots, separators=(",", ":")).encode()
+    public: list[dict[str, Any]] = []
+    for slot in slots if isinstance(slots, list) else ():
+        if not isinstance(slot, dict):
+            continue
+        row = {key: slot[key] for key in PUBLIC_SLOT_FIELDS if key in slot}
+        nxt = slot.get("next_token")
+        if isinstance(nxt, list):  # llama-server reports one entry per sequence
+            row["next_token"] = [
+                {k: t[k] for k in PUBLIC_NEXT_TOKEN_FIELDS if k in t}
+                for t in nxt
+                if isinstance(t, dict)
+            ]
+        elif isinstance(nxt, dict):
+            row["next_token"] = {k: nxt[k] for k in PUBLIC_NEXT_TOKEN_FIELDS if k in nxt}
+        public.append(row)
+    return json.dumps(public, separators=(",", ":")).encode()
 
 
 @bp.get("/props")

@@ -236,6 +236,24 @@ def _dumps(value: Any) -> bytes:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
 
 
+class StallGuard:
+    """The relay channel's sending end, with a stall timeout: a client that stops
+    reading for ``stall_s`` (the channel stays full) is treated as gone."""
+
+    __slots__ = ("_channel", "_stall_s")
+
+    def __init__(self, channel: trio.MemorySendChannel[UpstreamHead | bytes], stall_s: float):
+        self._channel = channel
+        self._stall_s = stall_s
+
+    async def send(self, value: UpstreamHead | bytes, /) -> None:
+        """Raises BrokenResourceError after ``stall_s`` without room in the channel."""
+        with trio.move_on_after(self._stall_s):
+            await self._channel.send(value)
+            return
+        raise trio.BrokenResourceError(f"the client read nothing for {self._stall_s:g}s")
+
+
 async def _stream(
     host: Host,
     runtime: ModelRuntime,
@@ -244,8 +262,16 @@ async def _stream(
     session: str | None,
     rename: ModelRename,
 ) -> Response:
+    """Hold a slot in a task of the host's nursery, relaying the engine's stream
+    into a channel the response body reads. The task ends (and the slot, lease and
+    upstream connection with it) when the stream ends, when the client leaves or
+    stops reading for ``stream_stall_timeout``, or when the body has not started
+    ``stream_start_timeout`` after the head was handed over (the client left
+    before the server could start it, so the body's own cleanup never runs)."""
     send, recv = trio.open_memory_channel[UpstreamHead | bytes](32)
+    guarded = StallGuard(send, host.config.server.stream_stall_timeout)
     scope = trio.CancelScope()
+    body_started = trio.Event()
     outcome: dict[str, Any] = {"error": None, "grant": None}
 
     async def runner() -> None:
@@ -255,15 +281,21 @@ async def _stream(
                     async with host.slot(runtime, session=session) as grant:
                         outcome["grant"] = grant
                         await runtime.client.stream(
-                            path, upstream_body(body, grant), send, slot=grant.slot_id
+                            path, upstream_body(body, grant), guarded, slot=grant.slot_id
                         )
                 except GezelError as exc:
                     outcome["error"] = exc
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    # the client went away mid-stream: the body stopped reading
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    # the client went away mid-stream (or stopped reading)
                     log.info(
                         "client left mid-stream",
-                        extra={"fields": {"model": runtime.id, "session": session_hash(session)}},
+                        extra={
+                            "fields": {
+                                "model": runtime.id,
+                                "session": session_hash(session),
+                                "why": str(exc) or "disconnected",
+                            }
+                        },
                     )
                 except Exception as exc:  # a bug: never leave the client hanging
                     log.exception("stream job failed")
@@ -298,6 +330,7 @@ async def _stream(
             return Response(b"".join(chunks), status=head.status, content_type=head.content_type)
 
         async def body_iter() -> AsyncIterator[bytes]:
+            body_started.set()
             try:
                 async with recv:
                     async for chunk in recv:
@@ -317,11 +350,23 @@ async def _stream(
             finally:
                 scope.cancel()
 
+        async def body_must_start() -> None:
+            with trio.move_on_after(host.config.server.stream_start_timeout):
+                await body_started.wait()
+                return
+            log.info(
+                "stream body never started: the client left before its head was sent",
+                extra={"fields": {"model": runtime.id, "session": session_hash(session)}},
+            )
+            scope.cancel()
+            recv.close()
+
         _note_for_log(session, outcome["grant"])
         resp = Response(
             body_iter(), status=200, content_type="text/event-stream", headers=SSE_HEADERS
         )
         resp.timeout = None
+        host.tasks.start_soon(body_must_start)
         handed_off = True
         return resp
     finally:

@@ -40,6 +40,7 @@ from ..errors import EngineCrashed, EngineFailed, EngineTimeout, GezelError
 __all__ = [
     "EngineClient",
     "EngineEndpoint",
+    "Sink",
     "UpstreamCall",
     "UpstreamHead",
     "UpstreamResult",
@@ -94,6 +95,12 @@ class UpstreamCall:
     seq: int
     action: str
     slot: int | None
+
+
+class Sink(Protocol):
+    """Where :meth:`EngineClient.stream` puts the head and then each chunk."""
+
+    async def send(self, value: UpstreamHead | bytes, /) -> None: ...
 
 
 class EngineEndpoint(Protocol):
@@ -363,7 +370,7 @@ class EngineClient:
         self,
         path: str,
         body: Mapping[str, Any],
-        send: trio.MemorySendChannel[UpstreamHead | bytes],
+        send: Sink,
         *,
         slot: int | None = None,
     ) -> UpstreamHead:

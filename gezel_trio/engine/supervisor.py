@@ -196,6 +196,7 @@ class Engine:
         self.pid: int | None = None
         self.parallel: int | None = None
         self.base_url: str | None = url.rstrip("/") if url else None
+        self._process_url = self.base_url or ""
         self.generation = 0
         """Increments every time a new engine process becomes READY (slot ids reset)."""
         self.starts = 0
@@ -421,7 +422,11 @@ class Engine:
             write_pidfile(self._pid_file, proc.pid)
         self.port = port
         self.parallel = parallel
-        self.base_url = f"http://127.0.0.1:{port}"
+        # Published only once READY, together with the new generation: nothing can
+        # reach a process the host's slot tables do not know yet (a free port can
+        # even be the last process's).
+        self.base_url = None
+        self._process_url = f"http://127.0.0.1:{port}"
         self._stopping_on_purpose = False
         exited = trio.Event()
         log_done = trio.Event()
@@ -449,6 +454,7 @@ class Engine:
                     nursery.cancel_scope.cancel()
                     return
                 self.generation += 1
+                self.base_url = self._process_url
                 self.ready_at = trio.current_time()
                 self.last_ready_seconds = self.ready_at - spawn_at
                 self._last_used = self.ready_at
@@ -458,6 +464,7 @@ class Engine:
                 await self._monitor(proc, exited)
                 nursery.cancel_scope.cancel()
         finally:
+            self.base_url = None  # nothing more may be sent to this process
             if proc.returncode is None:
                 # Cancelled (host shutdown) or an unexpected error: never leave the child behind.
                 self._stopping_on_purpose = True
@@ -493,8 +500,7 @@ class Engine:
         self, proc: ProcessHandle, exited: trio.Event, log_done: trio.Event
     ) -> None:
         """Poll ``/health`` until 200, the process exits, a stop is requested or time runs out."""
-        assert self.base_url is not None
-        url = f"{self.base_url}/health"
+        url = f"{self._process_url}/health"
         delay = 0.005
         with trio.move_on_after(self.timing.load_timeout) as scope:
             while True:
