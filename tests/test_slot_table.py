@@ -209,7 +209,10 @@ def test_preparation_for_a_keyless_job_only_parks_the_session_it_displaces() -> 
     job = Job("j")
     table.pin(0, job)
     table.parked(0, job, "chat-1")
-    assert table.preparation(0, None, parking=True) == Preparation()  # its copy is current
+    on_disk = lambda s: s == "chat-1"  # noqa: E731
+    assert table.preparation(0, None, parking=True, is_parked=on_disk) == Preparation()
+    # its copy is current, unless the parked file was evicted since
+    assert table.preparation(0, None, parking=True) == Preparation(park="chat-1")
 
 
 def test_preparation_with_parking_saves_a_stale_copy_before_the_erase() -> None:
@@ -219,7 +222,10 @@ def test_preparation_with_parking_saves_a_stale_copy_before_the_erase() -> None:
     job = Job("j")
     table.pin(0, job)
     table.parked(0, job, "chat-1")  # the save was acknowledged
-    assert table.preparation(0, "chat-2", parking=True) == Preparation(erase=True)
+    on_disk = lambda s: s == "chat-1"  # noqa: E731
+    assert table.preparation(0, "chat-2", parking=True, is_parked=on_disk) == Preparation(
+        erase=True
+    )
 
 
 def test_preparation_with_parking_restores_the_incoming_sessions_copy() -> None:

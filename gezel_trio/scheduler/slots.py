@@ -196,6 +196,8 @@ class SlotTable:
         return bool(self.slots) and all(s.pin is None and not s.held_out for s in self.slots)
 
     def pin(self, slot: int, job: object) -> None:
+        if not 0 <= slot < len(self.slots):
+            raise IndexError(f"slot {slot} is not in this table of {len(self.slots)}")
         entry = self.slots[slot]
         if entry.pin is not None:
             raise AssertionError(f"slot {slot} is already pinned to {entry.pin!r}")
@@ -258,10 +260,11 @@ class SlotTable:
         the erase of another session's or a keyless job's KV, never of ``UNKNOWN``.
         """
         entry = self.slots[slot]
+        owner = entry.session if entry.content is Content.OWNED else None
+        # The owner's copy needs saving unless it is current and still on disk.
+        stale = owner is not None and not (entry.parked_current and is_parked(owner))
         if session is None:
-            if parking and entry.content is Content.OWNED and not entry.parked_current:
-                return Preparation(park=entry.session)
-            return NOTHING_TO_PREPARE
+            return Preparation(park=owner) if parking and stale else NOTHING_TO_PREPARE
         if entry.safe_for(session):
             if (
                 parking
@@ -271,14 +274,7 @@ class SlotTable:
             ):
                 return Preparation(restore=True)
             return NOTHING_TO_PREPARE
-        park = None
-        if (
-            parking
-            and entry.content is Content.OWNED
-            and entry.session is not None
-            and not entry.parked_current
-        ):
-            park = entry.session
+        park = owner if parking and stale else None
         if parking and session is not None and is_parked(session):
             return Preparation(park=park, restore=True)
         if not erase_on_handoff and entry.content is not Content.UNKNOWN:
@@ -322,6 +318,8 @@ class SlotTable:
             entry.content, entry.session = Content.OWNED, session
 
     def _pinned(self, slot: int, job: object) -> SlotEntry:
+        if not 0 <= slot < len(self.slots):
+            raise IndexError(f"slot {slot} is not in this table of {len(self.slots)}")
         entry = self.slots[slot]
         if entry.pin is not job:
             raise AssertionError(f"slot {slot} is not pinned to {job!r} (pinned: {entry.pin!r})")
