@@ -161,6 +161,10 @@ async def serve_until_signalled(config: Config) -> None:
     themselves (see :func:`open_server`), never as an exception group.
     """
     shutdown = trio.Event()
+    # What the receiver restores when it closes: a Ctrl-C between the end of the
+    # shutdown and the process's exit is ignored, not a KeyboardInterrupt at exit.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
 
         async def watch() -> None:
