@@ -31,8 +31,8 @@ leaves is erased off the critical path once it has stayed idle for
 job takes it, whichever comes first.
 
 For engines the host spawned, free slots come from the table; ``/slots`` is
-only sampled to reconcile (every ``reconcile_interval``, and when capacity is
-zero): a slot busy with work the host did not send is held out and erased
+only sampled to reconcile (after each engine start, every
+``reconcile_interval``, and when capacity is zero): a slot busy with work the host did not send is held out and erased
 before use. External engines may have other clients, so each admission there
 consumes a fresh sample, and only slots it names idle are pinned.
 """
@@ -272,6 +272,7 @@ class Scheduler:
         self._measuring: set[str] = set()  # models with a /slots sample in flight
         self._measured: dict[str, SlotMeasurement | None] = {}  # samples for the next pass
         self._reconciled_at: dict[str, float] = {}
+        self._reconciled_generation: dict[str, int] = {}
 
     def __repr__(self) -> str:
         stats = self._policy.snapshot()
@@ -666,6 +667,10 @@ class Scheduler:
                         self._start_measure(model_id)
                         continue
                     measured = fresh[model_id]
+                elif self._reconciled_generation.get(model_id) != lane.generation:
+                    # a new engine process: reconcile its table once, in the background
+                    self._reconciled_generation[model_id] = lane.generation
+                    self._reconcile_soon(model_id, now)
                 admission = policy.admit(model_id, measured, now=now)
                 for admitted in admission.jobs:
                     assert isinstance(admitted, _TrioJob)
