@@ -172,11 +172,12 @@ async def test_sync_client(
             assert out["denied"].status_code == 401
 
     sessions = _request_sessions(caplog)
-    assert session_hash("header-session") in sessions
-    assert session_hash("body-session") in sessions
-    assert sessions.index(session_hash("body-session")) > sessions.index(
-        session_hash("header-session")
-    )
+    caller = host.sessions.caller(KEY)  # sessions are scoped to the key that sent them
+    header = session_hash(host.sessions.session(caller, "header-session"))
+    body = session_hash(host.sessions.session(caller, "body-session"))
+    assert header in sessions
+    assert body in sessions
+    assert sessions.index(body) > sessions.index(header)
 
 
 async def test_async_client(tiny_model: Path, state_dir: Path, engine_binary: EngineBinary) -> None:

@@ -37,6 +37,11 @@ def _cfg(tiny_model: Path, state_dir: Path, engine_binary: EngineBinary, *, para
     )
 
 
+def _shown(host: Host, name: str) -> str:
+    """The hash status shows for the local caller's session ``name``."""
+    return hash_session(host.sessions.session(host.sessions.caller(None), name))
+
+
 def _stats(host: Host) -> Any:
     assert host.scheduler is not None
     return host.scheduler.statistics()
@@ -74,7 +79,7 @@ async def test_disconnect_mid_stream_stops_generation_and_records_the_owner(
             took = await _idle_within(engine.base_url, 1.0)
             await wait_nothing_held(host)
             owners = _stats(host).slot_owners["tiny"]
-            assert hash_session("chat-A") in owners.values(), owners
+            assert _shown(host, "chat-A") in owners.values(), owners
             print(f"slot idle {took * 1000:.0f} ms after the stream was closed")
 
             # the same chat gets its slot back without an erase; the next one works
@@ -137,7 +142,7 @@ async def test_disconnect_mid_request_stops_generation(
             )
             assert not await slots_busy(engine.base_url)
             await wait_nothing_held(host)
-            assert hash_session("chat-B") in _stats(host).slot_owners["tiny"].values()
+            assert _shown(host, "chat-B") in _stats(host).slot_owners["tiny"].values()
             print(f"llama-server cancelled the task {took * 1000:.0f} ms after the client left")
 
 

@@ -11,7 +11,7 @@ import hmac
 import logging
 
 import trio
-from quart import Response, request
+from quart import Response, current_app, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
@@ -27,6 +27,10 @@ PUBLIC_PATHS = frozenset({"/health", "/"})
 ADMIN_PREFIXES = ("/api/",)
 # Everything else, /metrics and /openapi.json included, needs an API key when keys are set.
 
+CALLER_ATTR = "gezel_caller"
+"""The attribute of quart's ``g`` that holds the request's caller: the HMAC identity
+of the key that authenticated it (``SessionKeys.caller``), never the key itself."""
+
 
 def _bearer() -> str | None:
     auth = request.headers.get("Authorization", "")
@@ -34,6 +38,17 @@ def _bearer() -> str | None:
         return auth[7:].strip()
     key = request.headers.get("X-Api-Key")
     return key.strip() if key else None
+
+
+def request_session(name: str) -> str:
+    """The session of the authenticated caller's chat ``name`` (see
+    :meth:`~gezel_trio.sessions.SessionKeys.session`): two keys that use one name
+    get two sessions; without keys every request is the one local caller's."""
+    host: Host = current_app.config["GEZEL_HOST"]
+    caller = g.get(CALLER_ATTR)
+    if not isinstance(caller, str):  # the auth hook did not run: refuse, never share
+        raise RuntimeError("no authenticated caller for this request")
+    return host.sessions.session(caller, name)
 
 
 def _matches(candidate: str, keys: list[str]) -> bool:
@@ -59,9 +74,12 @@ def create_app(host: Host) -> QuartTrio:
 
     @app.before_request
     async def authenticate() -> Response | None:
+        """Check the request's key, and record whose it is (``g.gezel_caller``), which
+        scopes its sessions."""
         keys = cfg.api_keys
         admin_keys = cfg.admin_keys
         if not keys and not admin_keys:
+            setattr(g, CALLER_ATTR, host.sessions.caller(None))
             return None
         if request.path in PUBLIC_PATHS or request.method == "OPTIONS":
             return None
@@ -85,6 +103,7 @@ def create_app(host: Host) -> QuartTrio:
                     type_="invalid_request_error",
                     code="insufficient_permissions" if status == 403 else "invalid_api_key",
                 )
+            setattr(g, CALLER_ATTR, host.sessions.caller(token))
             return None
         if not (_matches(token, keys) or admin_ok):
             return error_response(
@@ -94,6 +113,7 @@ def create_app(host: Host) -> QuartTrio:
                 code="invalid_api_key",
                 headers={"WWW-Authenticate": "Bearer"},
             )
+        setattr(g, CALLER_ATTR, host.sessions.caller(token))  # the key that matched
         return None
 
     @app.after_request

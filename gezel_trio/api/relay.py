@@ -44,12 +44,20 @@ SSE_HEADERS = {
 
 
 def session_of(body: dict[str, Any]) -> str | None:
-    """The chat's identity: ``prompt_cache_key`` in the body, else the ``X-Session-Id`` header."""
+    """The chat's session, None for a keyless request.
+
+    Its name is ``prompt_cache_key`` in the body, else the ``X-Session-Id`` header;
+    the session is the HMAC of the authenticated caller and that name
+    (:func:`.app.request_session`), so two API keys never share one. The host
+    never handles the raw name past this point.
+    """
+    from .app import request_session  # may join the imports above: app loads relay lazily
+
     key = body.get("prompt_cache_key")
     if isinstance(key, str) and key:
-        return key
+        return request_session(key)
     header = request.headers.get("X-Session-Id")
-    return header[:512] if header else None
+    return request_session(header[:512]) if header else None
 
 
 def upstream_body(body: dict[str, Any], grant: Grant) -> dict[str, Any]:

@@ -48,6 +48,7 @@ from ..scheduler import (
     SlotRequest,
     open_scheduler,
 )
+from ..sessions import SessionKeys
 from .calibration import CalibrationBook, Calibrator, calibrate, serve_calibration
 from .metrics import Metrics
 from .placement import EngineResolver, argv_builder, engine_timing, reservation_for
@@ -71,6 +72,7 @@ class Host:
         arbiter: GpuArbiter,
         health_gate: HealthGate,
         ledger: DeviceLedger,
+        sessions: SessionKeys,
     ) -> None:
         self.config = config
         self.http = http
@@ -78,6 +80,8 @@ class Host:
         self.arbiter = arbiter
         self.health_gate = health_gate
         self.ledger = ledger
+        self.sessions = sessions
+        """Derives each request's session from its caller and chat name (``session.key``)."""
         self.pressure_releases = 0
         self.calibration_book = CalibrationBook(config.state_dir / "calibration.json")
         self.metrics = Metrics(status=self.status)
@@ -292,6 +296,7 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
     )
     state_dir = config.state_dir
     state_dir.mkdir(parents=True, exist_ok=True)
+    sessions = await trio.to_thread.run_sync(SessionKeys.load, state_dir)
     health = await gate.device_health(max_age=0)
     transport = httpx.AsyncHTTPTransport(limits=limits)  # one pool: every engine call
     async with (
@@ -307,6 +312,7 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
             arbiter=arbiter,
             health_gate=gate,
             ledger=ledger,
+            sessions=sessions,
         )
         host.last_device_health = health.as_dict()
         await resolver.load_facts()

@@ -32,9 +32,10 @@ job takes it, whichever comes first.
 
 For engines the host spawned, free slots come from the table; ``/slots`` is
 only sampled to reconcile (after each engine start, every
-``reconcile_interval``, and when capacity is zero): a slot busy with work the host did not send is held out and erased
-before use. External engines may have other clients, so each admission there
-consumes a fresh sample, and only slots it names idle are pinned.
+``reconcile_interval``, and when capacity is zero): a slot busy with work the
+host did not send is held out and erased before use. External engines may have
+other clients, so each admission there consumes a fresh sample, and only slots
+it names idle are pinned.
 """
 
 from __future__ import annotations

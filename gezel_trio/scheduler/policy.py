@@ -308,7 +308,8 @@ class SchedulerStats:
 
 
 def hash_session(session: str) -> str:
-    """The form a session key takes in stats and logs: a sha256 prefix, never the key."""
+    """The form a session takes in stats and logs: a prefix of its caller-scoped HMAC
+    (see :mod:`gezel_trio.sessions`), never a name or a key."""
     return session_hash(session) or ""
 
 
