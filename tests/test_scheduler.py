@@ -952,6 +952,27 @@ async def test_a_restore_cancelled_in_flight_leaves_the_slot_unknown(
     assert a.bleeds == []
 
 
+async def test_a_failed_park_does_not_fail_the_handoff(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = ParkingFakeLane(pool, "a", parallel=1, park_time=0.1)
+    async with running({"a": a}) as h:
+        h.submit(a, session="chat-1", duration=1.0)
+        await trio.sleep(2.0)
+
+        async def broken(slot_id: int, session: str) -> None:
+            raise OSError("disk full")
+
+        a.park_slot = broken  # type: ignore[method-assign]
+        keyless = h.submit(a, duration=1.0)  # displaces chat-1: its park fails
+        keyed = h.submit(a, at=2.0, session="chat-2", duration=1.0)
+    assert keyless.error is None and keyless.end is not None
+    assert keyed.error is None and keyed.end is not None
+    assert len(a.erases) == 1  # what the keyless job left was erased once idle
+    assert h.scheduler.statistics().parking["failed"] >= 1
+    assert a.bleeds == []
+
+
 async def test_a_job_sent_to_a_restarted_engine_records_what_it_left(
     autojump_clock: trio.testing.MockClock, pool: FakePool
 ) -> None:

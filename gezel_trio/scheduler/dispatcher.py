@@ -492,7 +492,8 @@ class Scheduler:
                 calls += prep.calls
                 if prep.park is not None:
                     assert isinstance(lane, ParkingLane)
-                    await self._park(job, lane, prep.park)
+                    if not await self._park(job, lane, prep.park):
+                        parking = False  # that session re-prefills later; go on without
                 if prep.restore:
                     assert isinstance(lane, ParkingLane) and job.session is not None
                     if await self._restore(job, lane, job.session):
@@ -518,9 +519,9 @@ class Scheduler:
             generation=self._policy.table_of(job).generation,
         )
 
-    async def _park(self, job: _TrioJob, lane: ParkingLane, session: str) -> None:
-        """Save ``session``'s KV before its slot changes hands. A failure is logged and
-        counted: the handoff goes on (that session re-prefills later)."""
+    async def _park(self, job: _TrioJob, lane: ParkingLane, session: str) -> bool:
+        """Save ``session``'s KV before its slot changes hands; False when it failed
+        (logged and counted: the handoff goes on, that session re-prefills later)."""
         slot = job.slot_id
         assert slot is not None
         with trio.move_on_after(self.settings.park_timeout):
@@ -532,8 +533,9 @@ class Scheduler:
                 self._check_pin(job)
                 self._policy.table_of(job).parked(slot, job, session)
                 self._policy.parks_saved += 1
-                return
+                return True
         self._policy.parks_failed += 1
+        return False
 
     async def _restore(self, job: _TrioJob, lane: ParkingLane, session: str) -> bool:
         """Restore the job's own parked KV into its slot (which also replaces whatever
