@@ -8,13 +8,14 @@ lists every place tried and how to fix it.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
 import subprocess
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,9 @@ class BuildFacts:
     cuda_architectures: tuple[str, ...] | None = None
     cuda_toolkit: str | None = None
     version_text: str | None = None
+    binary_sha256: str | None = None
+    """SHA-256 of the binary and the libraries beside it, read when neither a revision
+    nor a build number is known (see :func:`binary_digest`)."""
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -46,8 +50,39 @@ class BuildFacts:
 
     @property
     def fingerprint(self) -> str:
-        """A stable identity of the build, used to notice a changed binary."""
-        return f"{self.engine}:{self.revision}:{self.build_number}:{self.backend}"
+        """A stable identity of the build, used to notice a changed binary.
+
+        ``engine:revision:build:backend`` when the revision or the build number is
+        known; else ``engine:sha256:<digest>`` from :attr:`binary_sha256`; else a
+        digest of the ``--version`` text. Never ``None:None``.
+        """
+        if self.revision is not None or self.build_number is not None:
+            return f"{self.engine}:{self.revision}:{self.build_number}:{self.backend}"
+        if self.binary_sha256:
+            return f"{self.engine}:sha256:{self.binary_sha256[:16]}"
+        text = (self.version_text or "").encode()
+        return f"{self.engine}:version-sha256:{hashlib.sha256(text).hexdigest()[:16]}"
+
+
+def binary_digest(binary: Path) -> str | None:
+    """SHA-256 over the binary and the shared libraries beside it (``lib*.so``, which
+    hold llama.cpp's code in a split build), in name order; ``None`` if the binary
+    cannot be read. Blocking: call in a thread."""
+    digest = hashlib.sha256()
+    try:
+        libs = sorted(p for p in binary.parent.glob("lib*.so") if p.is_file())
+    except OSError:
+        libs = []
+    for i, path in enumerate([binary, *libs]):
+        try:
+            with path.open("rb") as fh:
+                digest.update(path.name.encode() + b"\0")
+                while chunk := fh.read(1 << 20):
+                    digest.update(chunk)
+        except OSError:
+            if i == 0:
+                return None
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -206,7 +241,15 @@ def parse_version_output(text: str) -> BuildFacts:
 
 
 def read_build_facts(engine: EngineBinary, *, timeout: float = 10.0) -> BuildFacts:
-    """Build facts from the metadata file, else from ``--version``. Blocking: call in a thread."""
+    """Build facts from the metadata file, else from ``--version``; when neither names a
+    revision or a build number, with :func:`binary_digest`. Blocking: call in a thread."""
+    facts = _read_build_facts(engine, timeout=timeout)
+    if facts.revision is None and facts.build_number is None:
+        facts = replace(facts, binary_sha256=binary_digest(engine.path))
+    return facts
+
+
+def _read_build_facts(engine: EngineBinary, *, timeout: float) -> BuildFacts:
     facts = read_build_metadata(engine.path)
     if facts is not None:
         return facts
