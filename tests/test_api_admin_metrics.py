@@ -439,3 +439,38 @@ def test_exposure_defaults() -> None:
     cfg.server.api_keys = [API_KEY]
     assert exposure_warning(cfg) is None
     assert cfg.server.cors_origins == []
+
+
+def test_calibration_series_read_the_runtime_state_shape() -> None:
+    """What /api/status really carries per engine: the verdict in "status", the probe's
+    figures nested under "result", and the restarts after a failed probe."""
+    status: dict[str, Any] = {
+        "engines": [
+            {
+                "model": "rec",
+                "calibration": {
+                    "status": "failed",
+                    "runs": 1,
+                    "restarts_after_failure": 1,
+                    "result": {
+                        "verdict": "failed",
+                        "prompts_tried": 5,
+                        "distinct_answers": 2,
+                        "finished_at": 1800.0,
+                    },
+                },
+            }
+        ]
+    }
+    m = Metrics(status=lambda: status)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(m.render().decode())
+        for s in f.samples
+    }
+    assert samples[("gezel_calibration_result", (("model", "rec"), ("result", "failed")))] == 1
+    assert samples[("gezel_calibration_result", (("model", "rec"), ("result", "passed")))] == 0
+    assert samples[("gezel_calibration_prompts", (("model", "rec"),))] == 5
+    assert samples[("gezel_calibration_distinct_answers", (("model", "rec"),))] == 2
+    assert samples[("gezel_calibration_timestamp_seconds", (("model", "rec"),))] == 1800.0
+    assert samples[("gezel_calibration_restarts", (("model", "rec"),))] == 1

@@ -382,21 +382,40 @@ def _calibration_families(status: Mapping[str, Any]) -> Iterator[Metric]:
         "When the last calibration ran (Unix time).",
         labels=["model"],
     )
-    for model, c in entries:
-        verdict = c.get("result", c.get("verdict", c.get("state")))
+    restarts = GaugeMetricFamily(
+        "gezel_calibration_restarts",
+        "Engine restarts after a failed co-batch probe (the process might stay corrupt).",
+        labels=["model"],
+    )
+    for model, entry in entries:
+        # A model's calibration state names its verdict in "status" and keeps the
+        # probe's figures in "result"; a bare result names it in "verdict".
+        inner = entry.get("result")
+        c: Mapping[str, Any] = {**inner, **entry} if isinstance(inner, Mapping) else entry
+        verdict = next(
+            (
+                v
+                for v in (c.get("status"), c.get("verdict"), c.get("state"), c.get("result"))
+                if isinstance(v, str) and v in CALIBRATION_RESULTS
+            ),
+            None,
+        )
         if isinstance(c.get("passed"), bool) and verdict is None:
             verdict = "passed" if c["passed"] else "failed"
         verdict = str(verdict or "not_run")
+        count = _num(c.get("restarts_after_failure"))
+        if count is not None:
+            restarts.add_metric([model], count)
         for r in CALIBRATION_RESULTS:
             result.add_metric([model, r], 1.0 if verdict == r else 0.0)
         for fam, keys in (
             (prompts, ("prompts", "prompts_tried")),
             (distinct, ("distinct_answers", "distinct")),
-            (when, ("at", "when", "ran_at")),
+            (when, ("finished_at", "at", "when", "ran_at")),
         ):
             for key in keys:
                 v = _num(c.get(key))
                 if v is not None:
                     fam.add_metric([model], v)
                     break
-    yield from (result, prompts, distinct, when)
+    yield from (result, prompts, distinct, when, restarts)
