@@ -27,6 +27,7 @@ from quart import Response, g, request
 
 from .._trio import unwrapping
 from ..engine.client import UpstreamHead, sse_error_event
+from ..engine.supervisor import EngineState
 from ..errors import EngineCrashed, FieldError, GezelError
 from ..host import Host, ModelRuntime
 from ..scheduler import Grant
@@ -172,23 +173,63 @@ async def _unary(
     rename: ModelRename,
 ) -> Response:
     """A non-streaming completion: streamed from the engine and assembled here, so a
-    client that walks away (the handler is cancelled) stops generation at once."""
+    client that walks away (the handler is cancelled) stops generation at once.
+
+    When the engine dies before it produced a single token of the answer (the
+    request met a process being killed), the request is sent again, once, to the
+    restarted engine: nothing of it reached the client, and nothing of it ran.
+    """
     shape = shape_of(path)
-    async with host.slot(runtime, session=session) as grant:
-        upstream = upstream_body(body, grant)
-        if shape is None:  # pragma: no cover - every completion path has a shape
-            result = await runtime.client.forward("POST", path, body=upstream, slot=grant.slot_id)
-            status, content_type, content = (
-                result.head.status,
-                result.head.content_type,
-                result.content,
-            )
-        else:
-            status, content_type, content = await _assembled(
-                runtime, path, upstream, shape, grant, keep_tokens=body.get("return_tokens") is True
+    for attempt in (1, 2):
+        try:
+            async with host.slot(runtime, session=session) as grant:
+                upstream = upstream_body(body, grant)
+                if shape is None:  # pragma: no cover - every completion path has a shape
+                    result = await runtime.client.forward(
+                        "POST", path, body=upstream, slot=grant.slot_id
+                    )
+                    status, content_type, content = (
+                        result.head.status,
+                        result.head.content_type,
+                        result.content,
+                    )
+                else:
+                    status, content_type, content = await _assembled(
+                        runtime,
+                        path,
+                        upstream,
+                        shape,
+                        grant,
+                        keep_tokens=body.get("return_tokens") is True,
+                    )
+            break
+        except _NothingGenerated:
+            if attempt == 2 or not await _engine_went_away(runtime, grant):
+                raise
+            log.info(
+                "the engine died before answering: sending the request again",
+                extra={"fields": {"model": runtime.id, "session": session_hash(session)}},
             )
     _note_for_log(session, grant)
     return Response(rename.body(content), status=status, content_type=content_type)
+
+
+class _NothingGenerated(EngineCrashed):
+    """The engine failed before a single event of the answer arrived."""
+
+
+async def _engine_went_away(runtime: ModelRuntime, grant: Grant) -> bool:
+    """Whether the engine process that ``grant`` was prepared on is gone (it exited,
+    or a new one runs): waits up to a second for the supervisor to notice."""
+    engine = runtime.engine
+
+    def gone() -> bool:
+        return engine.generation != grant.generation or engine.base_url is None
+
+    if not gone():
+        with trio.move_on_after(1.0):
+            await engine.state.wait_value(lambda state: state is not EngineState.READY)
+    return gone() or engine.state.value is not EngineState.READY
 
 
 async def _assembled(
@@ -217,17 +258,24 @@ async def _assembled(
         async with send:
             await runtime.client.stream(path, streamed, send, slot=grant.slot_id)
 
-    async with unwrapping(), trio.open_nursery() as nursery:
-        nursery.start_soon(produce)
-        async with recv:
-            async for item in recv:
-                if isinstance(item, UpstreamHead):
-                    head = item
-                elif head is not None and head.status != 200:
-                    raw.append(item)
-                else:
-                    for event in decoder.feed(item):
-                        assembler.feed(event)
+    events = 0
+    try:
+        async with unwrapping(), trio.open_nursery() as nursery:
+            nursery.start_soon(produce)
+            async with recv:
+                async for item in recv:
+                    if isinstance(item, UpstreamHead):
+                        head = item
+                    elif head is not None and head.status != 200:
+                        raw.append(item)
+                    else:
+                        for event in decoder.feed(item):
+                            events += 1
+                            assembler.feed(event)
+    except EngineCrashed as exc:
+        if events == 0 and not isinstance(exc, _NothingGenerated):
+            raise _NothingGenerated(exc.message) from exc
+        raise
     if head is None:  # pragma: no cover - the producer raised, and that left the nursery
         raise EngineCrashed("the engine closed the stream before answering")
     if head.status != 200:
