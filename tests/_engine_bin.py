@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import tempfile
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -79,27 +79,44 @@ async def open_llama_server(
         *extra_args,
     ]
     with tempfile.TemporaryDirectory(prefix="gezel-llama-test-") as tmp:
-        log_path = Path(tmp) / "server.log"
-        server = LlamaServer(base_url=f"http://127.0.0.1:{port}", log_path=log_path, argv=argv)
-        with log_path.open("wb") as log:
-            async with trio.open_nursery() as nursery:
-                server.process = await nursery.start(
-                    partial(
-                        trio.run_process,
-                        argv,
-                        env=env,
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        check=False,
-                    )
+        async with run_llama_server(
+            argv, env, Path(tmp) / "server.log", port=port, ready_timeout=ready_timeout
+        ) as server:
+            yield server
+
+
+@asynccontextmanager
+async def run_llama_server(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    log_path: Path,
+    *,
+    port: int,
+    ready_timeout: float = 60.0,
+) -> AsyncIterator[LlamaServer]:
+    """Run ``argv`` (a llama-server listening on ``port``), logging to ``log_path``;
+    yield once ``/health`` is 200. Leaving the block (or cancellation) stops it."""
+    argv = list(argv)
+    server = LlamaServer(base_url=f"http://127.0.0.1:{port}", log_path=log_path, argv=argv)
+    with log_path.open("wb") as log:
+        async with trio.open_nursery() as nursery:
+            server.process = await nursery.start(
+                partial(
+                    trio.run_process,
+                    argv,
+                    env=dict(env),
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    check=False,
                 )
-                try:
-                    with trio.fail_after(ready_timeout):
-                        await _wait_healthy(server)
-                    yield server
-                finally:
-                    nursery.cancel_scope.cancel()
+            )
+            try:
+                with trio.fail_after(ready_timeout):
+                    await _wait_healthy(server)
+                yield server
+            finally:
+                nursery.cancel_scope.cancel()
 
 
 async def _wait_healthy(server: LlamaServer) -> None:

@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import subprocess
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +43,7 @@ from gezel_trio.errors import QueueFull
 from gezel_trio.host import Host
 from gezel_trio.host.calibration import RetryPolicy
 
-from ._engine_bin import ENGINE_LIMITS, LlamaServer, _wait_healthy
+from ._engine_bin import ENGINE_LIMITS, LlamaServer, run_llama_server
 from .conftest import make_config, pids_alive, running
 
 PARALLEL = 4
@@ -85,26 +83,8 @@ async def _run_like(
     argv = list(argv)
     port = free_port()
     argv[argv.index("--port") + 1] = str(port)
-    server = LlamaServer(base_url=f"http://127.0.0.1:{port}", log_path=log_path, argv=argv)
-    with log_path.open("wb") as log:
-        async with trio.open_nursery() as nursery:
-            server.process = await nursery.start(
-                partial(
-                    trio.run_process,
-                    argv,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    check=False,
-                )
-            )
-            try:
-                with trio.fail_after(30):
-                    await _wait_healthy(server)
-                yield server
-            finally:
-                nursery.cancel_scope.cancel()
+    async with run_llama_server(argv, env, log_path, port=port, ready_timeout=30) as server:
+        yield server
 
 
 @dataclass
