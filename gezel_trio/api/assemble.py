@@ -37,9 +37,10 @@ _SHAPES: dict[str, Shape] = {
 }
 
 
-def shape_of(path: str) -> Shape | None:
-    """The shape of a completion path, or ``None`` for one that is not assembled."""
-    return _SHAPES.get(path)
+def shape_of(path: str) -> Shape:
+    """The shape of a completion path (``/v1/chat/completions``, ``/v1/completions``
+    or ``/completion``). Raises KeyError for any other path."""
+    return _SHAPES[path]
 
 
 class SseDecoder:

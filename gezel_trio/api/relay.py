@@ -183,25 +183,14 @@ async def _unary(
     for attempt in (1, 2):
         try:
             async with host.slot(runtime, session=session) as grant:
-                upstream = upstream_body(body, grant)
-                if shape is None:  # pragma: no cover - every completion path has a shape
-                    result = await runtime.client.forward(
-                        "POST", path, body=upstream, slot=grant.slot_id
-                    )
-                    status, content_type, content = (
-                        result.head.status,
-                        result.head.content_type,
-                        result.content,
-                    )
-                else:
-                    status, content_type, content = await _assembled(
-                        runtime,
-                        path,
-                        upstream,
-                        shape,
-                        grant,
-                        keep_tokens=body.get("return_tokens") is True,
-                    )
+                status, content_type, content = await _assembled(
+                    runtime,
+                    path,
+                    upstream_body(body, grant),
+                    shape,
+                    grant,
+                    keep_tokens=body.get("return_tokens") is True,
+                )
             break
         except _NothingGenerated:
             if attempt == 2 or not await _engine_went_away(runtime, grant):

@@ -1004,15 +1004,14 @@ class SchedulerPolicy:
         lane = model.lane
         self.sync_table(model)
         table = model.table
-        room = max(1, lane.parallel) - model.running
         free = table.free()
-        if not lane.sole_client:
+        if lane.sole_client:
+            measured = None  # the table knows; a sample has nothing to add
+        else:
             # Another client may be using any slot: pin only what the sample names idle.
             named = () if measured is None or measured.ids is None else measured.ids
             free = [slot for slot in free if slot in named]
-            if measured is not None:
-                room = min(room, measured.idle)
-        room = min(room, len(free))
+        room = min(admission_capacity(max(1, lane.parallel), model.running, measured), len(free))
         if room <= 0:
             return Admission(poll=model.running == 0)
         holders = table.holders() if self.affinity else {}
