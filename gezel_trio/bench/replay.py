@@ -295,12 +295,21 @@ class ModelInfo:
 
 
 async def probe_model(client: httpx.AsyncClient, *, model: str | None = None) -> ModelInfo:
-    """Read ``/v1/models``; unknown fields are ``None``. Cancellation propagates."""
-    try:
-        resp = await client.get("/v1/models")
-        data = resp.json() if resp.status_code == 200 else {}
-    except (httpx.HTTPError, ValueError):
-        data = {}
+    """Read ``/v1/models``; unknown fields are ``None``. Cancellation propagates.
+
+    A failed read (a kept-alive connection the server had closed, an answer that
+    is not JSON) is tried up to three times, 0.1 s apart."""
+    data: Any = {}
+    for attempt in range(3):
+        try:
+            resp = await client.get("/v1/models")
+            if resp.status_code == 200:
+                data = resp.json()
+                break
+        except (httpx.HTTPError, ValueError):
+            pass
+        if attempt < 2:
+            await trio.sleep(0.1)
     entries = data.get("data") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         entries = []
