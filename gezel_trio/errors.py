@@ -98,6 +98,12 @@ class EngineFailed(GezelError):
     code = "engine_failed"
 
 
+class EngineStopped(EngineFailed):
+    """An engine was stopped on purpose (an eviction, an unload) while it was starting."""
+
+    code = "engine_stopped"
+
+
 class EngineCrashed(GezelError):
     """An engine exited (or stopped answering) while a request was in flight."""
 

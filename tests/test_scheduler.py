@@ -20,7 +20,7 @@ import pytest
 import trio
 import trio.testing
 
-from gezel_trio.errors import EngineFailed, QueueFull, UnknownModel
+from gezel_trio.errors import EngineFailed, EngineStopped, QueueFull, UnknownModel
 from gezel_trio.scheduler import (
     ActiveOp,
     Grant,
@@ -1031,6 +1031,33 @@ async def test_engine_failure_fails_that_turns_jobs_and_the_next_request_retries
     assert b3.error is None and b3.start == t0 + 4.0  # retried: a fresh load
     assert [t - t0 for t in b.ensure_calls] == [0.0, 3.0]
     assert s.statistics().waiting == {}
+
+
+async def test_a_start_stopped_by_an_eviction_starts_again_while_its_turn_lasts(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    # In swap mode a stale load of another model can evict this one mid-start; the
+    # engine says "stopped", which is not a failure of the model: start it again.
+    a = FakeLane(pool, "a", parallel=2, load_time=1.0)
+    a.fail_loads = 2
+    a.load_error = EngineStopped("engine for model 'a' was stopped")
+    async with running({"a": a}) as h:
+        t0 = trio.current_time()
+        job = h.submit(a, duration=1.0)
+    assert job.error is None and job.start == t0 + 3.0
+    assert [t - t0 for t in a.ensure_calls] == [0.0, 1.0, 2.0]
+
+
+async def test_a_start_stopped_every_time_fails_its_turn(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = FakeLane(pool, "a", parallel=2, load_time=1.0)
+    a.fail_loads = 3
+    a.load_error = EngineStopped("engine for model 'a' was stopped")
+    async with running({"a": a}) as h:
+        job = h.submit(a, duration=1.0)
+    assert isinstance(job.error, EngineStopped)
+    assert len(a.ensure_calls) == 3  # bounded: no endless restart loop
 
 
 async def test_non_project_engine_error_becomes_engine_failed(

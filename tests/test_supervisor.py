@@ -179,6 +179,81 @@ async def test_stop_is_idempotent(autojump_clock: trio.abc.Clock) -> None:
         assert len(launcher.last.signals) == 1
 
 
+async def test_stop_during_start_returns_and_fails_the_start(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # An eviction that lands while the engine is still loading: stop() must come back
+    # once the process is down, and the waiting start must fail (it was stopped).
+    launcher = FakeLauncher(FakeBehaviour(load_time=5.0, term_exit_delay=1.0))
+    errors: list[BaseException] = []
+
+    async def start() -> None:
+        try:
+            await engine.ensure_ready()
+        except EngineFailed as exc:
+            errors.append(exc)
+
+    async with engine_with(launcher) as engine, trio.open_nursery() as nursery:
+        nursery.start_soon(start)
+        await trio.sleep(2)
+        assert engine.state.value is EngineState.STARTING
+        t0 = trio.current_time()
+        with trio.fail_after(30):
+            await engine.stop()
+        assert engine.state.value is EngineState.STOPPED
+        assert launcher.last.returncode is not None
+        # the load is abandoned at once: SIGTERM, and the process takes 1 s to exit
+        assert trio.current_time() - t0 == pytest.approx(1.0, abs=0.2)
+    assert [str(e) for e in errors] == ["engine for model 'm' was stopped"]
+
+
+async def test_stop_during_restart_backoff_returns_at_once(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    launcher = FakeLauncher(FakeBehaviour(load_time=1.0))
+    async with engine_with(launcher) as engine, trio.open_nursery() as nursery:
+        for _ in range(3):  # a crash streak: the next start waits out a backoff
+            await engine.ensure_ready()
+            launcher.last.exit(-signal.SIGKILL)
+            await engine.state.wait_value(EngineState.FAILED)
+        starts = len(launcher.processes)
+        nursery.start_soon(_swallow_start, engine)
+        await trio.sleep(0.1)
+        assert "restart backoff" in (engine.failure or "")
+        t0 = trio.current_time()
+        with trio.fail_after(30):
+            await engine.stop()
+        assert trio.current_time() == t0
+        assert engine.state.value is EngineState.STOPPED
+        assert len(launcher.processes) == starts  # the backoff ended without a start
+
+
+async def test_stop_withdraws_a_start_not_yet_picked_up(autojump_clock: trio.abc.Clock) -> None:
+    # A start was asked for (its caller gave up waiting at once) and stop() came before,
+    # or just after, the owner task picked it up: once stop() returns nothing runs, and
+    # nothing starts later behind the evictor's back.
+    launcher = FakeLauncher(FakeBehaviour(load_time=1.0))
+    async with engine_with(launcher) as engine:
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await engine.ensure_ready()  # asks for the start, then stops waiting
+        with trio.fail_after(30):
+            await engine.stop()
+        assert all(p.returncode is not None for p in launcher.processes)
+        await trio.sleep(5)
+        assert all(p.returncode is not None for p in launcher.processes)
+        assert engine.state.value is EngineState.STOPPED
+        before = len(launcher.processes)
+        await engine.ensure_ready()  # a later start is not affected
+        assert len(launcher.processes) == before + 1
+        assert engine.state.value is EngineState.READY
+
+
+async def _swallow_start(engine: Engine) -> None:
+    with pytest.raises(EngineFailed, match="was stopped"):
+        await engine.ensure_ready()
+
+
 async def test_failed_health_checks_kill_a_hung_engine(autojump_clock: trio.abc.Clock) -> None:
     launcher = FakeLauncher(FakeBehaviour(load_time=1.0))
     async with engine_with(launcher) as engine:

@@ -40,7 +40,7 @@ import trio
 from trio_util import AsyncValue
 
 from .._trio import unwrapping
-from ..errors import EngineCrashed, EngineFailed, GezelError
+from ..errors import EngineCrashed, EngineFailed, EngineStopped, GezelError
 from .logs import LogRing
 from .pidfile import reap_orphan, remove_pidfile, write_pidfile
 
@@ -249,20 +249,27 @@ class Engine:
     async def stop(self) -> None:
         """Stop the engine (SIGTERM, then SIGKILL after the grace) and wait until it is down.
 
-        Idempotent: stopping a stopped or failed engine returns at once. An
-        external engine is never stopped; this only marks it STOPPED.
-        Cancelling the caller abandons the wait; the stop itself goes on.
+        Idempotent: stopping a stopped or failed engine returns at once. A start
+        under way, or asked for and not begun, ends: its waiters get EngineFailed
+        ("was stopped"). An external engine is never stopped; this only marks it
+        STOPPED. Cancelling the caller abandons the wait; the stop itself goes on.
         """
-        idle = self._current is None or self._current.done.is_set()
-        if not idle or self.state.value in (EngineState.READY, EngineState.STARTING):
+        if self._start_requested.is_set():
+            # A start asked for but not picked up by the owner task yet: withdraw it,
+            # so that nothing starts behind the caller's back (an evictor's, typically).
+            self._start_requested = trio.Event()
+            pending, self._next = self._next, _Attempt(self._next.number)
+            pending.finish(EngineStopped(f"engine for model {self.model_id!r} was stopped"))
+        attempt = self._current
+        if attempt is not None and (
+            not attempt.done.is_set()
+            or self.state.value not in (EngineState.STOPPED, EngineState.FAILED)
+        ):
             self._stop_requested.set()
             self._wake_monitor.set()
-            await self.state.wait_value(
-                lambda s: (
-                    s in (EngineState.STOPPED, EngineState.FAILED)
-                    and (self._current is None or self._current.done.is_set())
-                )
-            )
+            # The attempt first (a start under way ends "stopped"), then the process.
+            await attempt.done.wait()
+            await self.state.wait_value(lambda s: s in (EngineState.STOPPED, EngineState.FAILED))
         # Return only once the process's reservation is released too: an evictor
         # calls stop() so that another engine can have those bytes.
         await self._holding.wait_value(False)
@@ -326,6 +333,8 @@ class Engine:
         task_status.started()
         while True:
             await self._start_requested.wait()
+            if not self._start_requested.is_set():
+                continue  # withdrawn by stop() before this task ran
             self._start_requested = trio.Event()
             self._stop_requested = trio.Event()
             attempt = self._next
@@ -376,7 +385,7 @@ class Engine:
         await self._backoff()
         if self._stop_requested.is_set():
             self._set(EngineState.STOPPED)
-            attempt.finish(EngineFailed(f"engine for model {self.model_id!r} was stopped"))
+            attempt.finish(EngineStopped(f"engine for model {self.model_id!r} was stopped"))
             return
         self._set(EngineState.STARTING)
         self._holding.value = True
@@ -450,7 +459,7 @@ class Engine:
                     self._set(EngineState.STOPPING)
                     await self._terminate(proc, exited, graceful=True)
                     self._set(EngineState.STOPPED)
-                    attempt.finish(EngineFailed(f"engine for model {self.model_id!r} was stopped"))
+                    attempt.finish(EngineStopped(f"engine for model {self.model_id!r} was stopped"))
                     nursery.cancel_scope.cancel()
                     return
                 self.generation += 1

@@ -60,6 +60,7 @@ from gezel_trio._trio import unwrapping
 from gezel_trio.errors import (
     EngineCrashed,
     EngineFailed,
+    EngineStopped,
     GezelError,
     SchedulerClosed,
     UnknownModel,
@@ -800,7 +801,16 @@ class Scheduler:
         try:
             if lane is None:
                 raise EngineFailed(f"model {model_id!r} has no lane")
-            await lane.ensure_resident()
+            for attempt in range(_LOAD_ATTEMPTS):
+                try:
+                    await lane.ensure_resident()
+                    break
+                except EngineStopped:
+                    # Stopped while starting: in swap mode, by the load of a turn that
+                    # has ended since. While this is still the model's turn, start again.
+                    if attempt + 1 == _LOAD_ATTEMPTS or not self._policy.is_turn(model_id):
+                        raise
+                    log.info("engine for %s was stopped while starting: starting again", model_id)
             done = True
             self._policy.load_done(model_id)
         except Exception as exc:
@@ -809,7 +819,10 @@ class Scheduler:
             if not isinstance(exc, GezelError):
                 error = EngineFailed(f"engine for {model_id!r} could not be made resident: {exc!r}")
                 error.__cause__ = exc
-            log.warning("engine for %s could not be made resident: %r", model_id, exc)
+            if isinstance(exc, EngineStopped) and not self._policy.is_turn(model_id):
+                log.info("load of %s abandoned: its turn ended while it started", model_id)
+            else:
+                log.warning("engine for %s could not be made resident: %r", model_id, exc)
             for job in self._policy.load_failed(model_id):
                 self._fail(job, _copy_error(error))
         finally:
@@ -824,6 +837,10 @@ class Scheduler:
         for job in list(self._running):
             if job.scope is not None:
                 job.scope.cancel()
+
+
+#: Starts of one load before its jobs fail, when each is stopped by another's eviction.
+_LOAD_ATTEMPTS = 3
 
 
 def _copy_error(error: BaseException) -> BaseException:

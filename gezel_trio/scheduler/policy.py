@@ -927,6 +927,14 @@ class SchedulerPolicy:
         if group is not None and group.turn is not None and group.turn.model is model:
             group.turn.ready = True
 
+    def is_turn(self, model_id: str) -> bool:
+        """True while ``model_id`` holds its group's turn."""
+        model = self._models.get(model_id)
+        if model is None:
+            return False
+        group = self._groups.get(model.group_key)
+        return group is not None and group.turn is not None and group.turn.model is model
+
     def load_aborted(self, model_id: str) -> None:
         """The load was cancelled (shutdown): no verdict either way."""
         model = self._models.get(model_id)
