@@ -73,7 +73,13 @@ class SchedulerConfig:
     """Seconds a queued request may be passed over by sessions that hold slots."""
     erase_on_handoff: bool = True
     kv_parking: bool = True
-    """Save a chat's KV to disk (slot save) when its slot is handed over, restore it later."""
+    """Save a chat's KV to disk (slot save) when its slot is handed over or its engine
+    stops on purpose, and restore it when the chat returns, into any later engine."""
+    kv_store_bytes: int | None = None
+    """Bytes the parked-KV files may take, over every model (least recently used are
+    evicted beyond). None: a quarter of the state dir's free space, at most 32 GiB."""
+    park_on_stop_timeout: float = 10.0
+    """Seconds a planned engine stop may spend saving its slots before SIGTERM."""
     lock_model: bool = False
 
 
@@ -293,6 +299,16 @@ def validate(cfg: Config) -> None:
         raise ConfigError("scheduler.max_queue: expected at least 1")
     if cfg.scheduler.slot_poll <= 0:
         raise ConfigError("scheduler.slot_poll: expected a positive number of seconds")
+    kv_bytes = cfg.scheduler.kv_store_bytes
+    if kv_bytes is not None and (
+        isinstance(kv_bytes, bool) or not isinstance(kv_bytes, int) or kv_bytes < 0
+    ):
+        raise ConfigError(
+            "scheduler.kv_store_bytes: expected a whole number of bytes >= 0 "
+            "(0 keeps nothing parked), or leave it out for the default"
+        )
+    if cfg.scheduler.park_on_stop_timeout < 0:
+        raise ConfigError("scheduler.park_on_stop_timeout: expected seconds >= 0")
     if cfg.gpu.temp_margin_c < 0:
         raise ConfigError("gpu.temp_margin_c: expected a number >= 0")
     seen: set[str] = set()

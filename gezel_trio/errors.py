@@ -59,6 +59,20 @@ class ModelLocked(GezelError):
     type = "invalid_request_error"
 
 
+class SessionNotFound(GezelError):
+    """No session with that id is held for the caller (in a slot or parked)."""
+
+    status = 404
+    code = "session_not_found"
+
+
+class SessionBusy(GezelError):
+    """The session is running a request, so its slot cannot be erased now."""
+
+    status = 409
+    code = "session_busy"
+
+
 class QueueFull(GezelError):
     """The scheduler's bounded queue is full. The API adds ``Retry-After``."""
 

@@ -909,20 +909,25 @@ class ParkingFakeLane(FakeLane):
         super().__init__(pool, model_id, **kw)
         self.park_time = park_time
         self.parked: dict[str, str | None] = {}
+        self.parking_enabled = True
+        self.misses = 0
 
     def is_parked(self, session: str | None) -> bool:
         return session is not None and session in self.parked
+
+    def note_miss(self) -> None:
+        self.misses += 1
 
     async def park_slot(self, slot_id: int, session: str) -> None:
         self.parked[session] = self.slots[slot_id].kv
         await trio.sleep(self.park_time)
 
-    async def unpark_slot(self, slot_id: int, session: str) -> bool:
+    async def unpark_slot(self, slot_id: int, session: str) -> int:
         if session not in self.parked:
-            return False
+            return 0
         self.slots[slot_id].kv = self.parked[session]
         await trio.sleep(self.park_time)
-        return True
+        return 100  # tokens restored
 
 
 async def test_a_restore_cancelled_in_flight_leaves_the_slot_unknown(

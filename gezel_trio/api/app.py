@@ -25,7 +25,13 @@ log = logging.getLogger("gezel_trio.api")
 # admin key itself (a browser cannot send a bearer header when navigating).
 PUBLIC_PATHS = frozenset({"/health", "/"})
 ADMIN_PREFIXES = ("/api/",)
+CALLER_PREFIXES = ("/api/sessions",)
+"""Under ``/api/`` but open to every key: each caller sees and removes its own sessions."""
 # Everything else, /metrics and /openapi.json included, needs an API key when keys are set.
+
+ADMIN_ATTR = "gezel_admin"
+"""The attribute of quart's ``g`` that is True when an admin key (or no keys at all)
+authenticated the request."""
 
 CALLER_ATTR = "gezel_caller"
 """The attribute of quart's ``g`` that holds the request's caller: the HMAC identity
@@ -48,7 +54,10 @@ def request_session(name: str) -> str:
     caller = g.get(CALLER_ATTR)
     if not isinstance(caller, str):  # the auth hook did not run: refuse, never share
         raise RuntimeError("no authenticated caller for this request")
-    return host.sessions.session(caller, name)
+    session = host.sessions.session(caller, name)
+    if host.kv is not None:
+        host.kv.note_caller(session, caller)  # whose parked KV it will be
+    return session
 
 
 def _matches(candidate: str, keys: list[str]) -> bool:
@@ -80,11 +89,14 @@ def create_app(host: Host) -> QuartTrio:
         admin_keys = cfg.admin_keys
         if not keys and not admin_keys:
             setattr(g, CALLER_ATTR, host.sessions.caller(None))
+            setattr(g, ADMIN_ATTR, True)
             return None
         if request.path in PUBLIC_PATHS or request.method == "OPTIONS":
             return None
         token = _bearer()
-        is_admin_path = request.path.startswith(ADMIN_PREFIXES)
+        is_admin_path = request.path.startswith(ADMIN_PREFIXES) and not request.path.startswith(
+            CALLER_PREFIXES
+        )
         if token is None:
             return error_response(
                 401,
@@ -104,6 +116,7 @@ def create_app(host: Host) -> QuartTrio:
                     code="insufficient_permissions" if status == 403 else "invalid_api_key",
                 )
             setattr(g, CALLER_ATTR, host.sessions.caller(token))
+            setattr(g, ADMIN_ATTR, True)
             return None
         if not (_matches(token, keys) or admin_ok):
             return error_response(
@@ -114,6 +127,7 @@ def create_app(host: Host) -> QuartTrio:
                 headers={"WWW-Authenticate": "Bearer"},
             )
         setattr(g, CALLER_ATTR, host.sessions.caller(token))  # the key that matched
+        setattr(g, ADMIN_ATTR, admin_ok)
         return None
 
     @app.after_request
@@ -161,11 +175,13 @@ def create_app(host: Host) -> QuartTrio:
     from .native import bp as native_bp
     from .openai import bp as openai_bp
     from .openapi import bp as openapi_bp
+    from .sessions import bp as sessions_bp
     from .status_page import bp as status_page_bp
 
     app.register_blueprint(openai_bp)
     app.register_blueprint(native_bp)
     app.register_blueprint(admin_bp)
+    app.register_blueprint(sessions_bp)
     app.register_blueprint(openapi_bp)
     app.register_blueprint(status_page_bp)
     install_metrics(app, host.metrics)

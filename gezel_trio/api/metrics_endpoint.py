@@ -32,6 +32,7 @@ from ..host.metrics import CONTENT_TYPE, Metrics
 
 bp = Blueprint("metrics", __name__)
 request_log = logging.getLogger("gezel_trio.requests")
+log = logging.getLogger("gezel_trio.api.metrics")
 
 UNRESOLVED = "(unresolved)"
 INSTRUMENTED_BLUEPRINTS = frozenset({"openai", "native"})
@@ -150,7 +151,9 @@ def install_metrics(app: QuartTrio, metrics: Metrics) -> None:
                     pass
         duration = time.perf_counter() - t0
         metrics.request_done(model, status, duration, None, *counts)
-        log_request(model, status, duration, None, counts, g.get("gezel_log", {}))
+        fields = g.get("gezel_log", {})
+        log_request(model, status, duration, None, counts, fields)
+        _verify_restore(fields, status, counts)
         return resp
 
 
@@ -182,6 +185,19 @@ async def _observed_stream(
         counts = _tail_counts(b"".join(recent)[-_TAIL_BYTES:])
         metrics.request_done(model, status, duration, ttft, *counts)
         log_request(model, status, duration, ttft, counts, fields)
+        _verify_restore(fields, status, counts)
+
+
+def _verify_restore(
+    fields: dict[str, Any], status: int, counts: tuple[int | None, int | None, int | None]
+) -> None:
+    """After a KV restore, hand the answer's (prompt, cached) tokens to its verifier."""
+    verify = fields.get("verify_restore")
+    if callable(verify) and status == 200:
+        try:
+            verify(counts[0], counts[1])
+        except Exception:  # pragma: no cover - bookkeeping must never fail a response
+            log.exception("verifying a KV restore failed")
 
 
 def log_request(

@@ -375,6 +375,41 @@ def _build_spec() -> dict[str, Any]:
                 },
             }
         },
+        "/api/sessions": {
+            "get": {
+                "tags": ["sessions"],
+                "summary": "The caller's sessions (an admin key: every caller's): where each "
+                "one's KV is, in a slot and/or parked on disk, with tokens and bytes",
+                "responses": {
+                    "200": _ok(
+                        "`{sessions: [{id, slots, parked}], kv_parking}`", {"type": "object"}
+                    ),
+                    "401": E401,
+                },
+            }
+        },
+        "/api/sessions/{session_id}": {
+            "delete": {
+                "tags": ["sessions"],
+                "summary": "Remove the session's KV everywhere: its idle slots are erased, "
+                "its parked files deleted",
+                "parameters": [
+                    {
+                        "name": "session_id",
+                        "in": "path",
+                        "required": True,
+                        "schema": {"type": "string"},
+                        "description": "The id GET /api/sessions lists (a session hash).",
+                    }
+                ],
+                "responses": {
+                    "200": _ok("`{id, slots_erased, files_deleted}`", {"type": "object"}),
+                    "401": E401,
+                    "404": _err("No session with that id is held for the caller."),
+                    "409": _err("The session is running a request; retry once it finished."),
+                },
+            }
+        },
         "/api/models/{model_id}/benchmark": {
             "post": {
                 "tags": ["admin"],

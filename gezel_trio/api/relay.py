@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import trio
@@ -199,7 +200,7 @@ async def _unary(
                 "the engine died before answering: sending the request again",
                 extra={"fields": {"model": runtime.id, "session": session_hash(session)}},
             )
-    _note_for_log(session, grant)
+    _note_for_log(runtime, session, grant)
     return Response(rename.body(content), status=status, content_type=content_type)
 
 
@@ -361,17 +362,17 @@ async def _stream(
             first = await recv.receive()
         except trio.EndOfChannel:
             err = outcome["error"] or EngineCrashed("the engine closed the stream before answering")
-            _note_for_log(session, outcome["grant"])
+            _note_for_log(runtime, session, outcome["grant"])
             return response_for(err)
         if isinstance(first, bytes):
             # The error event of a job that failed before the engine answered.
             err = outcome["error"] or EngineCrashed("the engine failed before answering")
-            _note_for_log(session, outcome["grant"])
+            _note_for_log(runtime, session, outcome["grant"])
             return response_for(err)
         head = first
         if head.status != 200:
             chunks = [c async for c in recv if isinstance(c, bytes)]
-            _note_for_log(session, outcome["grant"])
+            _note_for_log(runtime, session, outcome["grant"])
             return Response(b"".join(chunks), status=head.status, content_type=head.content_type)
 
         async def body_iter() -> AsyncIterator[bytes]:
@@ -406,7 +407,7 @@ async def _stream(
             scope.cancel()
             recv.close()
 
-        _note_for_log(session, outcome["grant"])
+        _note_for_log(runtime, session, outcome["grant"])
         resp = Response(
             body_iter(), status=200, content_type="text/event-stream", headers=SSE_HEADERS
         )
@@ -420,11 +421,14 @@ async def _stream(
             recv.close()
 
 
-def _note_for_log(session: str | None, grant: Grant | None) -> None:
-    """Hand the request log line what only the relay knows (see metrics_endpoint.log_request)."""
+def _note_for_log(runtime: ModelRuntime, session: str | None, grant: Grant | None) -> None:
+    """Hand the request log line what only the relay knows (see metrics_endpoint.log_request),
+    and, after a KV restore, who verifies it against the answer's cached tokens."""
     g.gezel_log = {
         "session": session_hash(session),
         "slot": grant.slot_id if grant else None,
         "queue_wait_ms": round(grant.queue_wait_s * 1000, 2) if grant else None,
         "prepare_calls": grant.prepare_calls if grant else None,
     }
+    if grant is not None and grant.restored_tokens:
+        g.gezel_log["verify_restore"] = partial(runtime.verify_restore, grant.restored_tokens)

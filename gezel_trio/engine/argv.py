@@ -20,7 +20,17 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "--ctx-size": ("--ctx-size", "-c"),
     "--slot-save-path": ("--slot-save-path",),
     "--n-gpu-layers": ("--n-gpu-layers", "-ngl", "--gpu-layers"),
+    "--cache-type-k": ("--cache-type-k", "-ctk"),
+    "--cache-type-v": ("--cache-type-v", "-ctv"),
 }
+
+# Flags that shape the KV cache, so decide whether a saved slot file loads again.
+_KV_VALUE_FLAGS = ("--cache-type-k", "--cache-type-v")
+_KV_SWITCHES = {
+    "--swa-full": (("--swa-full",), ()),
+    "--kv-unified": (("--kv-unified", "-kvu"), ("--no-kv-unified", "-no-kvu")),
+}
+_FLASH_ATTN = ("--flash-attn", "-fa")
 
 
 def last_arg_value(args: Sequence[str], flag: str) -> str | None:
@@ -35,6 +45,31 @@ def last_arg_value(args: Sequence[str], flag: str) -> str | None:
                 if name.startswith("--") and arg.startswith(name + "="):
                     value = arg.split("=", 1)[1]
     return value
+
+
+def kv_shape_flags(args: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """The KV-shaping flags of an argv as the engine reads them (last occurrence wins;
+    absent flags read as ``default``): cache types, flash attention, full-size SWA
+    cache and the unified KV buffer. A saved slot file is loaded only by an engine
+    whose flags are equal."""
+    out = {flag: last_arg_value(args, flag) or "default" for flag in _KV_VALUE_FLAGS}
+    for flag, (on, off) in _KV_SWITCHES.items():
+        value = "default"
+        for arg in args:
+            if arg in on:
+                value = "on"
+            elif arg in off:
+                value = "off"
+        out[flag] = value
+    fa = "default"
+    for i, arg in enumerate(args):
+        if arg in _FLASH_ATTN:
+            nxt = args[i + 1] if i + 1 < len(args) else ""
+            fa = nxt if nxt in ("on", "off", "auto") else "on"
+        elif arg.startswith("--flash-attn="):
+            fa = arg.split("=", 1)[1]
+    out["--flash-attn"] = fa
+    return tuple(sorted(out.items()))
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import logging
 import math
 import os
 import signal
@@ -43,6 +44,8 @@ from .._trio import unwrapping
 from ..errors import EngineCrashed, EngineFailed, EngineStopped, GezelError
 from .logs import LogRing
 from .pidfile import reap_orphan, remove_pidfile, write_pidfile
+
+_log = logging.getLogger("gezel_trio.engine.supervisor")
 
 
 class EngineState(enum.Enum):
@@ -115,6 +118,8 @@ class SupervisorTiming:
     stable_after: float = 30.0
     """An engine READY this long before it crashes resets the crash streak."""
     idle_ttl: float = 0.0
+    park_grace: float = 10.0
+    """How long a planned stop may spend in ``before_stop`` (saving slots) before SIGTERM."""
 
 
 @dataclass
@@ -221,6 +226,11 @@ class Engine:
         self._wake_monitor = trio.Event()
         self._holding: AsyncValue[bool] = AsyncValue(False)
         """True from the reservation's entry until it has exited."""
+        self.before_stop: Callable[[], Awaitable[None]] | None = None
+        """Run before a planned stop of a READY process (a stop(), the idle TTL, the host
+        shutting down) sends SIGTERM, for at most ``timing.park_grace`` seconds: the
+        host saves the slots it owns. Never before a kill (a crash, failed health)."""
+        self.last_before_stop_seconds: float | None = None
 
     def __repr__(self) -> str:
         where = self.base_url or "-"
@@ -473,6 +483,11 @@ class Engine:
                 await self._monitor(proc, exited)
                 nursery.cancel_scope.cancel()
         finally:
+            if proc.returncode is None and self.state.value is EngineState.READY:
+                # The host is shutting down (cancelled): a planned stop like any other.
+                with trio.move_on_after(self.timing.park_grace + 1, shield=True):
+                    self._set(EngineState.STOPPING)
+                    await self._run_before_stop(exited)
             self.base_url = None  # nothing more may be sent to this process
             if proc.returncode is None:
                 # Cancelled (host shutdown) or an unexpected error: never leave the child behind.
@@ -588,11 +603,29 @@ class Engine:
     async def _stop_gracefully(self, proc: ProcessHandle, exited: trio.Event) -> None:
         self._stopping_on_purpose = True
         self._set(EngineState.STOPPING)
+        await self._run_before_stop(exited)
         t0 = trio.current_time()
         await self._terminate(proc, exited, graceful=True)
         self.last_stop_seconds = trio.current_time() - t0
         self.crash_streak = 0
         self._set(EngineState.STOPPED)
+
+    async def _run_before_stop(self, exited: trio.Event) -> None:
+        """``before_stop`` with its deadline; its failure is logged, never raised (the
+        stop goes on). The process is still reachable at ``base_url`` meanwhile."""
+        hook = self.before_stop
+        if hook is None or exited.is_set() or self.base_url is None:
+            return
+        t0 = trio.current_time()
+        with trio.move_on_after(self.timing.park_grace) as scope:
+            try:
+                await hook()
+            except Exception as exc:
+                self.log.append(f"[gezel] before the stop: {exc!r}")
+                _log.warning("engine %s: before the stop: %r", self.key, exc)
+        if scope.cancelled_caught:
+            self.log.append(f"[gezel] before the stop: cut after {self.timing.park_grace:g}s")
+        self.last_before_stop_seconds = trio.current_time() - t0
 
     async def _terminate(self, proc: ProcessHandle, exited: trio.Event, *, graceful: bool) -> None:
         """SIGTERM, SIGKILL after the grace (at once when not graceful); wait for the exit."""

@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,10 +27,11 @@ import trio
 from .. import __version__
 from .._trio import unwrapping
 from ..config import Config
+from ..engine.argv import last_arg_value
 from ..engine.client import EngineClient
 from ..engine.gguf_meta import GGUFError, read_gguf_info
 from ..engine.speed import measure_speed
-from ..engine.supervisor import no_reservation, open_engine
+from ..engine.supervisor import default_slot_save_dir, no_reservation, open_engine
 from ..errors import ConfigError, ModelLocked, UnknownModel
 from ..gpu.arbiter import GpuArbiter, resolve_policy
 from ..gpu.health import DeviceSafetyPolicy, HealthGate
@@ -41,6 +43,7 @@ from ..gpu.ledger import (
     open_ledger,
 )
 from ..gpu.probe import NvmlProbe, Probe
+from ..kvstore import KvStore, default_budget
 from ..scheduler import (
     JobKind,
     Scheduler,
@@ -94,6 +97,8 @@ class Host:
         """The host's own tasks: streaming relays waiting on their jobs, device-health and
         memory-pressure watchers, calibration watchers. Closed before the scheduler."""
         self.last_device_health: dict[str, Any] | None = None
+        self.kv: KvStore | None = None
+        """The parked-KV store (None with ``kv_parking`` off)."""
 
     def __repr__(self) -> str:
         return f"<Host {len(self.models)} models policy={self.arbiter.policy}>"
@@ -259,6 +264,30 @@ class Host:
         facts = self.resolver.facts
         return facts.fingerprint if facts else "unknown-build"
 
+    async def park_before_stop(self, runtime: ModelRuntime) -> None:
+        """Save every session's KV that ``runtime``'s engine holds and that is not parked
+        yet: run by the supervisor before a planned stop (eviction, idle release,
+        pressure release, unload, shutdown) sends SIGTERM, within its deadline. The
+        time it adds to the stop shows in status and ``/metrics``."""
+        if self.scheduler is None or self.kv is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            saved = await self.scheduler.park_owned(runtime.id)
+        finally:
+            elapsed = time.perf_counter() - t0
+            stats = runtime.kv_stats
+            stats.stop_parks += 1
+            stats.stop_park_ms += elapsed * 1000
+            self.metrics.kv_stop_park(runtime.id, elapsed)
+        if saved:
+            log.info(
+                "saved %d sessions of %s before stopping its engine (%.0f ms)",
+                saved,
+                runtime.id,
+                elapsed * 1000,
+            )
+
     def note_pressure_release(self, runtime: ModelRuntime) -> None:
         self.pressure_releases += 1
 
@@ -316,6 +345,8 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
         )
         host.last_device_health = health.as_dict()
         await resolver.load_facts()
+        if config.scheduler.kv_parking:
+            host.kv = await trio.to_thread.run_sync(open_kv_store, config)
         for model in config.models:
             env = None
             if not model.external and resolver.error is None:
@@ -326,6 +357,8 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
                 client=None,  # type: ignore[arg-type]  # set below: it needs the engine
                 arbiter=arbiter,
                 metrics=host.metrics,
+                kv=None if model.external else host.kv,
+                build=host.build_fingerprint(),
             )
             runtime.engine = await stack.enter_async_context(
                 open_engine(
@@ -372,6 +405,9 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
                 ),
             )
         )
+        for rt in host.models.values():
+            if not rt.config.external:
+                rt.engine.before_stop = partial(host.park_before_stop, rt)
         async with trio.open_nursery() as tasks:
             host.tasks = tasks
             await tasks.start(serve_device_health, host.refresh_device_health)
@@ -394,6 +430,27 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
         if isinstance(nvml, NvmlProbe):
             with trio.move_on_after(2, shield=True):
                 await nvml.aclose()
+
+
+def kv_dirs(config: Config) -> dict[str, Path]:
+    """Each spawned model's slot-save directory, where its parked files live: the
+    user's ``--slot-save-path`` by its last occurrence (as llama-server reads it),
+    else the host's default under the state dir."""
+    dirs: dict[str, Path] = {}
+    for model in config.models:
+        if model.external:
+            continue
+        user = last_arg_value(model.args, "--slot-save-path")
+        dirs[model.id] = Path(user) if user else default_slot_save_dir(config.state_dir, model.id)
+    return dirs
+
+
+def open_kv_store(config: Config) -> KvStore:
+    """Open the state dir's parked-KV store (blocking: from a thread)."""
+    budget = config.scheduler.kv_store_bytes
+    if budget is None:
+        budget = default_budget(config.state_dir)
+    return KvStore.open(config.state_dir / "kv.sqlite", budget_bytes=budget, dirs=kv_dirs(config))
 
 
 def _unset_nursery() -> trio.Nursery:

@@ -98,6 +98,20 @@ class Metrics:
             buckets=LEASE_WAIT_BUCKETS,
             registry=r,
         )
+        self.kv_ops = Histogram(
+            "gezel_kv_operation_seconds",
+            "Time of one KV save or restore (parking), by model and operation.",
+            ("model", "op"),
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.kv_stop_parks = Histogram(
+            "gezel_kv_stop_park_seconds",
+            "Time a planned engine stop spent saving its sessions before SIGTERM.",
+            ("model",),
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
         self.status_collector: StatusCollector | None = None
         if status is not None:
             self.status_collector = StatusCollector(status)
@@ -146,6 +160,16 @@ class Metrics:
         """Record how long a job or engine waited for its GPU lease."""
         if _finite(seconds) and seconds >= 0:
             self.lease_waits.observe(seconds)
+
+    def kv_park(self, model: str, op: str, seconds: float) -> None:
+        """Record one KV save or restore (``op``: ``save`` or ``restore``)."""
+        if _finite(seconds) and seconds >= 0:
+            self.kv_ops.labels(model, op).observe(seconds)
+
+    def kv_stop_park(self, model: str, seconds: float) -> None:
+        """Record the time a planned stop spent parking sessions before its SIGTERM."""
+        if _finite(seconds) and seconds >= 0:
+            self.kv_stop_parks.labels(model).observe(seconds)
 
     # ------------------------------------------------------------------ output
 
@@ -297,6 +321,14 @@ def _engine_families(engines: object) -> Iterator[Metric]:
         "Engine failures (exits, failed starts, dead health checks).",
         labels=["model"],
     )
+    kv_gauges = {
+        key: GaugeMetricFamily(f"gezel_kv_{name}", doc, labels=["model"])
+        for key, name, doc in _KV_GAUGES
+    }
+    kv_counters = {
+        key: CounterMetricFamily(f"gezel_kv_{name}", doc, labels=["model"])
+        for key, name, doc in _KV_COUNTERS
+    }
     for eng in engines:
         e = _mapping(eng)
         model = str(e.get("model") or e.get("key") or "")
@@ -309,7 +341,39 @@ def _engine_families(engines: object) -> Iterator[Metric]:
             v = _num(e.get(key))
             if v is not None:
                 fam.add_metric([model], v)
-    yield from (state, busy, starts, crashes)
+        kv = _mapping(e.get("kv_parking"))
+        families: list[tuple[str, GaugeMetricFamily | CounterMetricFamily]] = [
+            *kv_gauges.items(),
+            *kv_counters.items(),
+        ]
+        for key, family in families:
+            v = _num(kv.get(key))
+            if v is not None:
+                family.add_metric([model], v)
+        if kv:
+            enabled = kv_gauges["enabled"]
+            enabled.add_metric([model], 0.0 if kv.get("disabled") else 1.0)
+    yield from (state, busy, starts, crashes, *kv_gauges.values(), *kv_counters.values())
+
+
+_KV_GAUGES = (
+    ("parked", "parked_sessions", "Sessions with KV parked on disk."),
+    ("bytes", "parked_bytes", "Bytes of parked KV files."),
+    (
+        "enabled",
+        "parking_enabled",
+        "1 while the model parks KV, 0 once restores proved not to take.",
+    ),
+)
+_KV_COUNTERS = (
+    ("hits", "restore_hits", "Restores the next completion confirmed (it reused the tokens)."),
+    ("misses", "misses", "Keyed jobs whose session was neither in its slot nor parked."),
+    ("ineffective", "restores_ineffective", "Restores that did not take."),
+    ("dropped_incompatible", "dropped_incompatible", "Parked files dropped as incompatible."),
+    ("evicted", "evicted", "Parked files evicted by the byte budget."),
+    ("saves", "saves", "KV saves."),
+    ("restores", "restores", "KV restores the engine acknowledged in full."),
+)
 
 
 def _gpu_families(gpu: Mapping[str, Any]) -> Iterator[Metric]:

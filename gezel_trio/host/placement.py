@@ -76,6 +76,7 @@ def engine_timing(config: Config, model: ModelConfig) -> SupervisorTiming:
         health_failures=e.health_failures,
         stop_grace=e.stop_grace,
         idle_ttl=model.idle_ttl,
+        park_grace=config.scheduler.park_on_stop_timeout,
     )
 
 

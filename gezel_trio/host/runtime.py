@@ -10,29 +10,31 @@ are sampled, erased, saved and restored through the engine's
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, asynccontextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ..config import ModelConfig
+from ..engine.argv import kv_shape_flags, last_arg_value
 from ..engine.client import EngineClient
 from ..engine.gguf_meta import GGUFInfo
 from ..engine.planner import EnginePlan
 from ..engine.supervisor import Engine, EngineState, EngineStats
 from ..errors import EngineFailed, FieldError, GezelError
 from ..gpu.arbiter import GpuArbiter
+from ..kvstore import KvCompat, KvEntry, KvModelStats, KvStore, file_identity
 from ..scheduler.policy import SlotMeasurement
-from ..sessions import session_hash
 from .calibration import CalibrationState
 from .metrics import Metrics
 
 log = logging.getLogger("gezel_trio.host.runtime")
+
+INEFFECTIVE_RESTORES_LIMIT = 3
+"""Restores in a row that do not take before parking is turned off for a model."""
+_NO_KV_STATS = KvModelStats()
 
 
 @dataclass
@@ -52,11 +54,11 @@ class ModelRuntime:
     active_plan: EnginePlan | None = None
     """The plan of the engine process running now (inside its reservation)."""
     calibration: CalibrationState = field(default_factory=CalibrationState)
-    max_parked: int = 64
-    """Sessions whose KV may be parked on disk per engine (LRU beyond it)."""
-    parking_stats: dict[str, int] = field(default_factory=lambda: {"saved": 0, "restored": 0})
-    _parked: collections.OrderedDict[str, str] = field(default_factory=collections.OrderedDict)
-    _parked_generation: int = -1
+    kv: KvStore | None = None
+    """The host's parked-KV store (None: parking off)."""
+    build: str = "unknown-build"
+    """The engine build's fingerprint (part of a parked file's compatibility)."""
+    _ineffective_streak: int = 0
     metrics: Metrics | None = None
     gguf: GGUFInfo | None = None
     last_benchmark: dict[str, Any] | None = None
@@ -184,62 +186,167 @@ class ModelRuntime:
 
     # ------------------------------------------------------------------ KV parking
 
-    def _park_file(self, session: str) -> str:
-        return f"park-{session_hash(session)}.bin"
+    @property
+    def parking_enabled(self) -> bool:
+        """Whether this model parks KV: a store is open, the model is spawned by the host,
+        and its restores have not proven ineffective."""
+        return self.kv is not None and not self.config.external and self.kv_stats.disabled is None
 
-    def _sync_parking(self) -> None:
-        if self._parked_generation != self.engine.generation:
-            # a new engine process: its slot-save dir may hold another build's files
-            self._parked.clear()
-            self._parked_generation = self.engine.generation
+    @property
+    def kv_stats(self) -> KvModelStats:
+        if self.kv is None:
+            return _NO_KV_STATS
+        return self.kv.model_stats(self.id)
 
-    async def park_slot(self, slot_id: int, session: str) -> None:
-        """Save ``session``'s KV from ``slot_id`` to the engine's slot-save dir.
+    def kv_compat(self) -> KvCompat:
+        """What a parked file of this model must match to load into the engine now."""
+        return KvCompat(
+            model_file=file_identity(self.config.path or ""),
+            build=self.build,
+            kv_flags=kv_shape_flags(self.engine.argv),
+        )
 
-        Raises on failure (the caller then erases instead). The oldest parked
-        session beyond ``max_parked`` is dropped, and its file deleted.
-        """
-        self._sync_parking()
-        name = self._park_file(session)
-        await self.client.slot_action(slot_id, "save", filename=name)
-        self._parked[session] = name
-        self._parked.move_to_end(session)
-        self.parking_stats["saved"] += 1
-        while len(self._parked) > self.max_parked:
-            _, old = self._parked.popitem(last=False)
-            self._remove_park_file(old)
-
-    def _remove_park_file(self, name: str) -> None:
+    def _ctx_per_slot(self) -> int | None:
         argv = self.engine.argv
         try:
-            i = argv.index("--slot-save-path")
+            total = int(last_arg_value(argv, "--ctx-size") or 0)
         except ValueError:
-            return
-        with contextlib.suppress(OSError):
-            (Path(argv[i + 1]) / name).unlink()
+            return None
+        return total // max(1, self.slot_count) if total > 0 else None
+
+    def _parked_entry(self, session: str) -> KvEntry | None:
+        if self.kv is None:
+            return None
+        return self.kv.find(self.id, session, self.kv_compat(), ctx_per_slot=self._ctx_per_slot())
 
     def is_parked(self, session: str | None) -> bool:
-        self._sync_parking()
-        return session is not None and session in self._parked
+        """Whether ``session`` has KV parked that the engine running now can load."""
+        return (
+            session is not None and self.parking_enabled and self._parked_entry(session) is not None
+        )
 
-    async def unpark_slot(self, slot_id: int, session: str) -> bool:
-        """Restore ``session``'s parked KV into ``slot_id``; False when none is parked.
+    def note_miss(self) -> None:
+        """A keyed job found its session neither in its slot nor parked (a cold prefill)."""
+        if self.kv is not None:
+            self.kv_stats.misses += 1
 
-        A restore replaces the slot's whole content, so it also isolates the
-        slot from its previous owner. Raises on an engine error.
+    async def park_slot(self, slot_id: int, session: str) -> None:
+        """Save ``session``'s KV from ``slot_id`` into the store (a new file; the
+        session's previous one is deleted once the index points at this one).
+
+        Raises on failure (the caller then erases instead). Cancellation leaves the
+        index as it was; a file the engine wrote meanwhile is deleted.
         """
-        if self.engine.base_url is None or not self.is_parked(session):
-            return False
-        name = self._parked[session]
+        kv = self.kv
+        if kv is None:
+            raise EngineFailed(f"KV parking is off for {self.id!r}")
+        stats = self.kv_stats
+        name = kv.new_file_name(session)
+        t0 = time.perf_counter()
         try:
-            await self.client.slot_action(slot_id, "restore", filename=name)
-        except EngineFailed:
-            self._parked.pop(session, None)
-            self._remove_park_file(name)
+            body = await self.client.slot_action(slot_id, "save", filename=name)
+            tokens, size = body.get("n_saved"), body.get("n_written")
+            if not isinstance(tokens, int) or not isinstance(size, int):
+                raise EngineFailed(f"save of slot {slot_id} answered without n_saved/n_written")
+            if tokens <= 0:
+                return  # nothing to keep (an erased or empty slot)
+            now = time.time()
+            await kv.put(
+                KvEntry(
+                    model=self.id,
+                    session=session,
+                    caller=kv.caller_of(session),
+                    file=name,
+                    compat=self.kv_compat(),
+                    tokens=tokens,
+                    bytes=size,
+                    saved_at=now,
+                    used_at=now,
+                )
+            )
+            stats.saves += 1
+            stats.saved_tokens += tokens
+            stats.save_ms += (time.perf_counter() - t0) * 1000
+            if self.metrics is not None:
+                self.metrics.kv_park(self.id, "save", time.perf_counter() - t0)
+        except BaseException:
+            stats.save_failures += 1
             raise
-        self._parked.move_to_end(session)
-        self.parking_stats["restored"] += 1
-        return True
+        finally:
+            entry = kv.entry(self.id, session)
+            if entry is None or entry.file != name:
+                kv.discard_file(self.id, name)
+
+    async def unpark_slot(self, slot_id: int, session: str) -> int:
+        """Restore ``session``'s parked KV into ``slot_id``; the tokens restored, 0 when
+        nothing was (none parked, or the restore did not take: counted, and dropped).
+
+        A restore replaces the slot's whole content, so it also isolates the slot
+        from its previous owner. Raises on an engine error (the entry is dropped).
+        Cancellation leaves the entry; the slot is then unknown to the caller.
+        """
+        kv = self.kv
+        if kv is None or self.engine.base_url is None or not self.parking_enabled:
+            return 0
+        entry = self._parked_entry(session)
+        if entry is None:
+            return 0
+        stats = self.kv_stats
+        t0 = time.perf_counter()
+        try:
+            body = await self.client.slot_action(slot_id, "restore", filename=entry.file)
+        except EngineFailed:
+            stats.ineffective += 1
+            await kv.drop([entry])
+            raise
+        restored = body.get("n_restored")
+        if not isinstance(restored, int) or restored != entry.tokens:
+            # A restore that did not bring back what was parked is not a hit.
+            self._restore_did_not_take(entry, restored if isinstance(restored, int) else 0, None)
+            await kv.drop([entry])
+            return 0
+        stats.restores += 1
+        stats.restored_tokens += restored
+        stats.restore_ms += (time.perf_counter() - t0) * 1000
+        if self.metrics is not None:
+            self.metrics.kv_park(self.id, "restore", time.perf_counter() - t0)
+        await kv.touch(self.id, session)
+        return restored
+
+    def verify_restore(self, restored: int, prompt: int | None, cached: int | None) -> None:
+        """The first completion after a restore of ``restored`` tokens reported
+        ``cached`` tokens reused: a hit when it reused at least half of what it could
+        (the prompt may have diverged), else the restore did not take."""
+        if cached is None or self.kv is None:
+            return
+        reusable = restored if prompt is None else min(restored, max(prompt - 1, 0))
+        if reusable <= 0:
+            return
+        stats = self.kv_stats
+        if cached * 2 >= reusable:
+            stats.hits += 1
+            self._ineffective_streak = 0
+            return
+        self._restore_did_not_take(None, restored, cached)
+
+    def _restore_did_not_take(
+        self, entry: KvEntry | None, restored: int, cached: int | None
+    ) -> None:
+        stats = self.kv_stats
+        stats.ineffective += 1
+        self._ineffective_streak += 1
+        what = (
+            f"{restored} of {entry.tokens} parked tokens restored"
+            if entry is not None
+            else f"{restored} tokens restored, {cached} reused by the next completion"
+        )
+        log.warning("KV restore on %s did not take: %s", self.id, what)
+        if self._ineffective_streak >= INEFFECTIVE_RESTORES_LIMIT and stats.disabled is None:
+            stats.disabled = (
+                f"{self._ineffective_streak} restores in a row did not take (last: {what}): "
+                "sessions are erased on handoff instead of parked"
+            )
+            log.warning("KV parking is off for %s: %s", self.id, stats.disabled)
 
     def statistics(self) -> ModelStats:
         return ModelStats(
@@ -251,7 +358,7 @@ class ModelRuntime:
             plan=self.plan,
             calibration=self.calibration.as_dict(),
             benchmark=self.last_benchmark,
-            kv_parking={**self.parking_stats, "parked": len(self._parked)},
+            kv_parking=self.kv.statistics(self.id) if self.kv is not None else {},
             upstream_calls=dict(self.client.calls),
         )
 
@@ -269,7 +376,7 @@ class ModelStats:
     plan: dict[str, Any] | None
     calibration: dict[str, Any]
     benchmark: dict[str, Any] | None
-    kv_parking: dict[str, int]
+    kv_parking: dict[str, Any]
     upstream_calls: dict[str, int]
 
     def as_dict(self) -> dict[str, Any]:

@@ -101,11 +101,22 @@ T = TypeVar("T")
 class ParkingLane(Protocol):
     """A lane that can park a session's KV on disk and bring it back (slot save/restore)."""
 
+    @property
+    def parking_enabled(self) -> bool:
+        """False for a model whose restores proved not to take (it erases instead)."""
+        ...
+
     def is_parked(self, session: str | None) -> bool: ...
+
+    def note_miss(self) -> None:
+        """A keyed job found its session neither in its slot nor parked."""
+        ...
 
     async def park_slot(self, slot_id: int, session: str) -> None: ...
 
-    async def unpark_slot(self, slot_id: int, session: str) -> bool: ...
+    async def unpark_slot(self, slot_id: int, session: str) -> int:
+        """Restore ``session``'s parked KV into the slot: the tokens restored (0: none)."""
+        ...
 
 
 class EngineLane(LaneInfo, Protocol):
@@ -465,9 +476,12 @@ class Scheduler:
             await lane.ensure_resident()
         calls = 0
         erased = False
+        restored = 0
         slot = job.slot_id
         if slot is not None:
-            parking = self.settings.kv_parking and isinstance(lane, ParkingLane)
+            parking = (
+                self.settings.kv_parking and isinstance(lane, ParkingLane) and lane.parking_enabled
+            )
             restore_failed = False
 
             def is_parked(session: str) -> bool:
@@ -488,6 +502,15 @@ class Scheduler:
                 owner = table.owner(slot)
                 if parking and owner is not None and owner != job.session and prep.park is None:
                     self._policy.parks_skipped += 1  # its parked copy is still current
+                if (
+                    parking
+                    and calls == 0
+                    and job.session is not None
+                    and owner != job.session
+                    and not prep.restore
+                ):
+                    assert isinstance(lane, ParkingLane)
+                    lane.note_miss()
                 if prep.calls == 0:
                     break
                 calls += prep.calls
@@ -497,7 +520,8 @@ class Scheduler:
                         parking = False  # that session re-prefills later; go on without
                 if prep.restore:
                     assert isinstance(lane, ParkingLane) and job.session is not None
-                    if await self._restore(job, lane, job.session):
+                    restored = await self._restore(job, lane, job.session)
+                    if restored:
                         erased = True
                     else:
                         restore_failed = True
@@ -518,6 +542,7 @@ class Scheduler:
             queue_wait_s=trio.current_time() - job.submitted_at,
             prepare_calls=calls,
             generation=self._policy.table_of(job).generation,
+            restored_tokens=restored,
         )
 
     async def _park(self, job: _TrioJob, lane: ParkingLane, session: str) -> bool:
@@ -538,13 +563,14 @@ class Scheduler:
         self._policy.parks_failed += 1
         return False
 
-    async def _restore(self, job: _TrioJob, lane: ParkingLane, session: str) -> bool:
+    async def _restore(self, job: _TrioJob, lane: ParkingLane, session: str) -> int:
         """Restore the job's own parked KV into its slot (which also replaces whatever
-        the slot held). False when it did not take: the slot is then unknown."""
+        the slot held): the tokens restored. 0 when it did not take: the slot is then
+        unknown."""
         slot = job.slot_id
         assert slot is not None
         self._policy.table_of(job).sending(slot, job)
-        restored = False
+        restored = 0
         with trio.move_on_after(self.settings.park_timeout):
             try:
                 restored = await lane.unpark_slot(slot, session)
@@ -552,11 +578,11 @@ class Scheduler:
                 log.warning("restoring %s slot %d failed: %r", job.model_id, slot, exc)
         if not restored:
             self._policy.parks_failed += 1
-            return False
+            return 0
         self._check_pin(job)
         self._policy.table_of(job).restored(slot, job, session)
         self._policy.parks_restored += 1
-        return True
+        return restored
 
     async def _erase(self, job: _TrioJob, lane: EngineLane) -> None:
         """Erase the job's slot and await the acknowledgement. Raises EngineFailed when
@@ -581,6 +607,99 @@ class Scheduler:
             f"the engine for {job.model_id!r} did not acknowledge the erase of slot {slot} "
             f"({failure}); the request was not sent"
         )
+
+    async def park_owned(self, model_id: str) -> int:
+        """Save every slot of ``model_id`` that holds a session's KV not parked yet:
+        what a planned stop of its engine runs before the SIGTERM. Returns how many
+        were saved.
+
+        Each slot is pinned while it is saved (no job can take it meanwhile) and each
+        save has ``park_timeout``; a failed or cut save loses only that session's KV
+        (it re-prefills). Works while the scheduler shuts down too (no tasks needed).
+        Cancellation stops between or inside saves; what was saved stays parked.
+        """
+        lane = self._lanes.get(model_id)
+        if not (
+            self.settings.kv_parking and isinstance(lane, ParkingLane) and lane.parking_enabled
+        ):
+            return 0
+        table = self._policy.table(model_id)
+        generation = table.generation
+        saved = 0
+        for entry in list(table.slots):
+            session = entry.session
+            if (
+                entry.content is not Content.OWNED
+                or session is None
+                or entry.pin is not None
+                or entry.held_out
+                or (entry.parked_current and lane.is_parked(session))
+            ):
+                continue
+            cleanup = _Cleanup(model_id, entry.id)
+            table.pin(entry.id, cleanup)
+            try:
+                with trio.move_on_after(self.settings.park_timeout):
+                    try:
+                        await lane.park_slot(entry.id, session)
+                    except Exception as exc:
+                        log.warning("parking %s slot %d failed: %r", model_id, entry.id, exc)
+                        self._policy.parks_failed += 1
+                        continue
+                    table = self._policy.table(model_id)
+                    if table.generation == generation and table.pinned_to(entry.id) is cleanup:
+                        table.parked(entry.id, cleanup, session)
+                    self._policy.parks_saved += 1
+                    saved += 1
+            finally:
+                self._policy.table(model_id).unpin(entry.id, cleanup)
+                self._wake()
+        return saved
+
+    def sessions_in_slots(self) -> list[tuple[str, int, str]]:
+        """(model id, slot, session) for every slot whose table says it holds a
+        session's KV."""
+        out: list[tuple[str, int, str]] = []
+        for model_id in list(self._lanes):
+            for entry in self._policy.table(model_id).slots:
+                if entry.content is Content.OWNED and entry.session is not None:
+                    out.append((model_id, entry.id, entry.session))
+        return out
+
+    async def erase_session(self, session: str) -> tuple[int, int]:
+        """Erase every idle slot that holds ``session``'s KV: (erased, busy), where busy
+        counts slots a running job of the session holds (not touched). A failed erase
+        leaves the slot unknown (erased before its next use), so it is counted erased:
+        the session's KV is never served from it again. Cancellation leaves the slot
+        being erased unknown."""
+        erased = busy = 0
+        for model_id, slot, owner in self.sessions_in_slots():
+            if owner != session:
+                continue
+            lane = self._lanes.get(model_id)
+            table = self._policy.table(model_id)
+            if lane is None or table.pinned_to(slot) is not None or table.slots[slot].held_out:
+                busy += 1
+                continue
+            cleanup = _Cleanup(model_id, slot)
+            table.pin(slot, cleanup)
+            try:
+                table.sending(slot, cleanup)
+                if lane.ready:
+                    with trio.move_on_after(self.settings.erase_timeout):
+                        try:
+                            await lane.erase_slot(slot)
+                        except Exception as exc:
+                            log.warning("erase of %s slot %d failed: %r", model_id, slot, exc)
+                        else:
+                            table = self._policy.table(model_id)
+                            if table.pinned_to(slot) is cleanup:
+                                table.erased(slot, cleanup)
+                erased += 1
+            finally:
+                self._policy.table(model_id).unpin(slot, cleanup)
+                self._wake()
+        return erased, busy
 
     async def _erase_when_idle(self, job: _TrioJob, lane: EngineLane, released: int) -> None:
         """Erase the slot a keyless job left, once nobody has used it for

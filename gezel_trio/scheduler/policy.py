@@ -125,7 +125,10 @@ class Grant:
     this grant; ``queue_wait_s`` is the time from the request to this grant (engine
     switch and preparation included); ``prepare_calls`` counts the upstream calls
     made on the request's critical path before its own (save, restore, erase);
-    ``generation`` is the engine generation the slot was prepared on.
+    ``generation`` is the engine generation the slot was prepared on;
+    ``restored_tokens`` how many tokens of the session's parked KV were restored
+    into the slot for this job (0: none), for the caller to verify against the
+    completion's cached tokens.
     """
 
     model_id: str
@@ -135,6 +138,7 @@ class Grant:
     blind: bool = False
     prepare_calls: int = 0
     generation: int | None = None
+    restored_tokens: int = 0
 
 
 class LaneInfo(Protocol):

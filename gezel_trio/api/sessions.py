@@ -1,0 +1,108 @@
+"""``/api/sessions``: a caller's chats as the host keeps them, and removing one.
+
+A session is listed where its KV lives: in an engine slot, parked on disk, or
+both. A caller sees only its own sessions (the API key that made them); an
+admin key sees every caller's. ``DELETE /api/sessions/{id}`` removes the
+session's KV everywhere: each idle slot holding it is erased and its parked
+files are deleted. Ids are the session hashes shown in logs and status, never a
+chat's name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quart import Blueprint, Response, current_app, g
+
+from ..errors import SessionBusy, SessionNotFound
+from ..host import Host
+from ..sessions import session_hash
+from .app import ADMIN_ATTR, CALLER_ATTR
+from .errors import json_response
+
+bp = Blueprint("sessions", __name__)
+
+
+def _host() -> Host:
+    host: Host = current_app.config["GEZEL_HOST"]
+    return host
+
+
+def _visible(caller: str | None, owner: str | None) -> bool:
+    return bool(g.get(ADMIN_ATTR)) or (caller is not None and owner == caller)
+
+
+def _listing(host: Host) -> dict[str, dict[str, Any]]:
+    """Session id -> what the host holds of it, for the requesting caller."""
+    caller = g.get(CALLER_ATTR)
+    kv = host.kv
+    out: dict[str, dict[str, Any]] = {}
+
+    def row(sid: str) -> dict[str, Any]:
+        return out.setdefault(sid, {"id": sid, "slots": [], "parked": []})
+
+    if kv is not None:
+        for entry in kv.sessions():
+            if _visible(caller, entry.caller or kv.caller_of(entry.session)):
+                r = row(entry.session_id)
+                r["parked"].append(
+                    {
+                        "model": entry.model,
+                        "tokens": entry.tokens,
+                        "bytes": entry.bytes,
+                        "saved_at": entry.saved_at,
+                        "used_at": entry.used_at,
+                    }
+                )
+    if host.scheduler is not None:
+        for model_id, slot, session in host.scheduler.sessions_in_slots():
+            owner = kv.caller_of(session) if kv is not None else None
+            if _visible(caller, owner):
+                row(session_hash(session) or "")["slots"].append({"model": model_id, "slot": slot})
+    return out
+
+
+@bp.get("/api/sessions")
+async def list_sessions() -> Response:
+    host = _host()
+    sessions = sorted(_listing(host).values(), key=lambda r: r["id"])
+    return json_response({"sessions": sessions, "kv_parking": host.kv is not None})
+
+
+@bp.delete("/api/sessions/<session_id>")
+async def delete_session(session_id: str) -> Response:
+    host = _host()
+    if session_id not in _listing(host):
+        raise SessionNotFound(
+            f"no session {session_id[:64]!r} of yours is held here; GET /api/sessions lists the ids"
+        )
+    sessions = _full_sessions(host, session_id)
+    erased = busy = 0
+    if host.scheduler is not None:
+        for session in sessions:
+            e, b = await host.scheduler.erase_session(session)
+            erased, busy = erased + e, busy + b
+    files = 0
+    if host.kv is not None:
+        entries = host.kv.by_id(session_id)
+        files = len(entries)
+        await host.kv.drop(entries)
+    if busy:
+        raise SessionBusy(
+            f"session {session_id} is running a request in {busy} slot(s); its parked KV "
+            f"was removed ({files} file(s)) and {erased} idle slot(s) erased. Retry once "
+            "the request has finished"
+        )
+    return json_response({"id": session_id, "slots_erased": erased, "files_deleted": files})
+
+
+def _full_sessions(host: Host, session_id: str) -> set[str]:
+    """The full session identities behind a shown id (in slots or parked)."""
+    found: set[str] = set()
+    if host.kv is not None:
+        found.update(e.session for e in host.kv.by_id(session_id))
+    if host.scheduler is not None:
+        for _model, _slot, session in host.scheduler.sessions_in_slots():
+            if session_hash(session) == session_id:
+                found.add(session)
+    return found

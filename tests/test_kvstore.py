@@ -1,0 +1,180 @@
+"""The parked-KV store: its SQLite index, compatibility, the byte budget, orphans."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import trio
+import trio.lowlevel
+
+from gezel_trio.engine.argv import kv_shape_flags
+from gezel_trio.kvstore import FILE_PATTERN, KvCompat, KvEntry, KvStore
+
+COMPAT = KvCompat(model_file="/m/tiny.gguf|100|1", build="b1", kv_flags=kv_shape_flags([]))
+
+
+def _open(tmp_path: Path, budget: int = 10_000, models: tuple[str, ...] = ("a", "b")) -> KvStore:
+    dirs = {m: tmp_path / "slots" / m for m in models}
+    return KvStore.open(tmp_path / "kv.sqlite", budget_bytes=budget, dirs=dirs)
+
+
+async def _park(
+    store: KvStore,
+    model: str,
+    session: str,
+    *,
+    size: int = 100,
+    tokens: int = 50,
+    caller: str | None = "caller-1",
+    compat: KvCompat = COMPAT,
+) -> KvEntry:
+    """What the runtime does after a save: the engine wrote the file, then it is indexed."""
+    name = store.new_file_name(session)
+    (store.dirs[model] / name).write_bytes(b"x" * size)
+    now = time.time()
+    entry = KvEntry(model, session, caller, name, compat, tokens, size, now, now)
+    await store.put(entry)
+    return entry
+
+
+async def test_an_entry_survives_reopening(tmp_path: Path) -> None:
+    store = _open(tmp_path)
+    entry = await _park(store, "a", "s" * 64)
+    again = _open(tmp_path)
+    found = again.find("a", "s" * 64, COMPAT, ctx_per_slot=1024)
+    assert found is not None
+    assert (found.file, found.tokens, found.bytes, found.caller) == (
+        entry.file,
+        50,
+        100,
+        "caller-1",
+    )
+    assert again.totals("a") == (1, 100)
+    assert again.find("b", "s" * 64, COMPAT, ctx_per_slot=1024) is None  # per model
+
+
+async def test_a_new_save_replaces_the_previous_file(tmp_path: Path) -> None:
+    store = _open(tmp_path)
+    first = await _park(store, "a", "s1")
+    second = await _park(store, "a", "s1", size=300)
+    assert first.file != second.file
+    assert not (store.dirs["a"] / first.file).exists()
+    assert (store.dirs["a"] / second.file).exists()
+    assert store.totals("a") == (1, 300)
+
+
+@pytest.mark.parametrize(
+    ("now", "why"),
+    [
+        (KvCompat("/m/tiny.gguf|100|2", "b1", COMPAT.kv_flags), "model file"),
+        (KvCompat(COMPAT.model_file, "b2", COMPAT.kv_flags), "engine build"),
+        (
+            KvCompat(COMPAT.model_file, "b1", kv_shape_flags(["--cache-type-k", "q8_0"])),
+            "--cache-type-k",
+        ),
+        (KvCompat(COMPAT.model_file, "b1", kv_shape_flags(["-fa", "on"])), "--flash-attn"),
+        (KvCompat(COMPAT.model_file, "b1", kv_shape_flags(["--swa-full"])), "--swa-full"),
+    ],
+)
+async def test_an_incompatible_entry_is_dropped_not_returned(
+    tmp_path: Path, now: KvCompat, why: str
+) -> None:
+    store = _open(tmp_path)
+    entry = await _park(store, "a", "s1")
+    assert why in str(now.difference(COMPAT))
+    assert store.find("a", "s1", now, ctx_per_slot=1024) is None
+    assert store.model_stats("a").dropped_incompatible == 1
+    assert not (store.dirs["a"] / entry.file).exists()
+    assert _open(tmp_path).entry("a", "s1") is None  # gone from the index on disk too
+
+
+async def test_an_entry_larger_than_a_slot_is_dropped(tmp_path: Path) -> None:
+    store = _open(tmp_path)
+    await _park(store, "a", "s1", tokens=900)
+    assert store.find("a", "s1", COMPAT, ctx_per_slot=1024) is not None
+    assert store.find("a", "s1", COMPAT, ctx_per_slot=512) is None
+    assert store.model_stats("a").dropped_incompatible == 1
+
+
+def test_kv_flags_read_the_last_occurrence_as_the_engine_does() -> None:
+    flags = dict(kv_shape_flags(["-ctk", "f16", "--cache-type-k", "q8_0", "-fa", "--swa-full"]))
+    assert flags["--cache-type-k"] == "q8_0"
+    assert flags["--cache-type-v"] == "default"
+    assert flags["--flash-attn"] == "on"  # bare -fa
+    assert flags["--swa-full"] == "on"
+    assert dict(kv_shape_flags(["-fa", "off"]))["--flash-attn"] == "off"
+    assert dict(kv_shape_flags(["-kvu", "--no-kv-unified"]))["--kv-unified"] == "off"
+
+
+async def test_the_byte_budget_holds_under_a_fill_evicting_least_recently_used(
+    tmp_path: Path,
+) -> None:
+    store = _open(tmp_path, budget=1000)
+    parked: list[KvEntry] = []
+    for i in range(30):
+        model = "a" if i % 2 else "b"
+        parked.append(await _park(store, model, f"s{i}", size=90 + i))
+        await trio.lowlevel.checkpoint()
+        assert store.total_bytes() <= 1000
+        on_disk = sum(p.stat().st_size for d in store.dirs.values() for p in d.iterdir())
+        assert on_disk == store.total_bytes()  # no file outlives its entry
+    kept = {e.session for e in store.sessions()}
+    # the most recent ones are kept, over both models
+    assert {"s29", "s28", "s27"} <= kept and "s0" not in kept
+    assert store.entry("b", "s22") is not None and store.entry("a", "s23") is not None
+    await store.touch("a", "s23")  # used now: the next eviction spares it
+    await _park(store, "b", "big", size=500)
+    assert store.entry("a", "s23") is not None
+    assert store.entry("b", "s22") is None  # the least recently used went first
+    evicted = store.model_stats("a").evicted + store.model_stats("b").evicted
+    assert evicted == 30 + 1 - len(store.sessions())
+
+
+async def test_a_budget_of_zero_keeps_nothing(tmp_path: Path) -> None:
+    store = _open(tmp_path, budget=0)
+    entry = await _park(store, "a", "s1")
+    assert store.entry("a", "s1") is None
+    assert not (store.dirs["a"] / entry.file).exists()
+
+
+async def test_orphans_are_deleted_at_start_and_other_files_kept(tmp_path: Path) -> None:
+    store = _open(tmp_path)
+    kept = await _park(store, "a", "s1")
+    orphan = store.new_file_name("s2")
+    (store.dirs["a"] / orphan).write_bytes(b"left by a save cut short")
+    assert FILE_PATTERN.fullmatch(orphan)
+    user_file = store.dirs["a"] / "notes.bin"  # a user's slot-save dir may hold anything
+    user_file.write_bytes(b"mine")
+    lost = await _park(store, "b", "s3")
+    (store.dirs["b"] / lost.file).unlink()  # its file vanished while we were down
+    again = _open(tmp_path)
+    assert again.orphans_deleted == 1
+    assert not (again.dirs["a"] / orphan).exists()
+    assert user_file.exists()
+    assert (again.dirs["a"] / kept.file).exists()
+    assert again.entry("a", "s1") is not None
+    assert again.entry("b", "s3") is None
+
+
+async def test_a_model_no_longer_served_loses_its_entries(tmp_path: Path) -> None:
+    store = _open(tmp_path)
+    await _park(store, "b", "s1")
+    again = _open(tmp_path, models=("a",))
+    assert again.sessions() == []
+
+
+async def test_sessions_list_per_caller_and_drop(tmp_path: Path) -> None:
+    store = _open(tmp_path)
+    mine = await _park(store, "a", "s1", caller="me")
+    await _park(store, "b", "s1", caller="me")
+    await _park(store, "a", "s2", caller="them")
+    assert {(e.model, e.session) for e in store.sessions(caller="me")} == {("a", "s1"), ("b", "s1")}
+    assert len(store.sessions()) == 3
+    same = store.by_id(mine.session_id)
+    assert {e.model for e in same} == {"a", "b"}
+    await store.drop(same)
+    assert [e.session for e in store.sessions()] == ["s2"]
+    assert not any(p.name == mine.file for p in store.dirs["a"].iterdir())
+    assert [e.session for e in _open(tmp_path).sessions()] == ["s2"]
