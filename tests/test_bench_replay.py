@@ -698,9 +698,10 @@ def test_gezel_config_is_accepted_by_the_host_config(tmp_path: Path) -> None:
     assert data["server"] == {"host": "127.0.0.1", "port": 8123}
     assert data["engine"] == {"binary": "/opt/llama server/llama-server"}
     assert data["models"] == [
-        {"id": "tiny", "path": str(model), "parallel": 3, "ctx_per_slot": 1024}
+        {"id": "tiny", "path": str(model), "parallel": 3, "ctx_per_slot": 1024, "args": []}
     ]
     assert data["scheduler"] == {"affinity": False, "kv_parking": False}
+    assert "gpu" not in data
     from gezel_trio.config import load_config, validate
 
     path = tmp_path / "g.toml"
@@ -710,6 +711,24 @@ def test_gezel_config_is_accepted_by_the_host_config(tmp_path: Path) -> None:
     assert config.server.port == 8123 and config.scheduler.affinity is False
     assert config.scheduler.kv_parking is False
     assert [(m.id, m.parallel, m.ctx_per_slot) for m in config.models] == [("tiny", 3, 1024)]
+
+
+def test_two_models_swap_with_the_engine_args(tmp_path: Path) -> None:
+    model = tmp_path / "small.gguf"
+    model.write_bytes(b"GGUF")
+    settings = LaunchSettings(
+        model_path=model,
+        workdir=tmp_path,
+        models=2,
+        engine_args=("--cache-ram", "48"),
+    )
+    engine = EngineCommand(Path("/bin/llama-server"), {})
+    data = tomllib.loads(gezel_config_toml(settings=settings, engine=engine, port=1, affinity=True))
+    assert data["gpu"] == {"policy": "swap"}
+    assert [m["id"] for m in data["models"]] == ["small-a", "small-b"]
+    assert all(m["args"] == ["--cache-ram", "48"] for m in data["models"])
+    assert direct_argv(engine, settings, 2)[-2:] == ["--cache-ram", "48"]
+    assert router_argv(engine, settings, 3, tmp_path)[-2:] == ["--cache-ram", "48"]
 
 
 def test_launch_argv_keep_the_engine_defaults(tmp_path: Path) -> None:

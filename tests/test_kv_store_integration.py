@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -382,3 +383,22 @@ async def test_cancellation_at_each_step_leaves_table_and_index_consistent(
             assert await _cached(client, [*REF, *MORE], "ref") == len(REF) + len(MORE) - 1
             assert await _cached(client, [*PROMPT, *MORE], "A") == expected
             assert await _cached(client, [*PROMPT, *MORE], "C") == 0
+
+
+async def test_a_crash_loses_only_what_was_not_parked(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    cfg = _config(tiny_model, state_dir, engine_binary)
+    with trio.fail_after(120):
+        async with running(cfg) as (host, client):
+            expected = await _reference(client)
+            assert await _cached(client, PROMPT, "A") == 0  # "ref" parked; A in the slot
+            engine = host.models["tiny"].engine
+            assert engine.pid is not None
+            os.kill(engine.pid, signal.SIGKILL)
+            await engine.state.wait_value(EngineState.FAILED)
+            assert _kv(host)["stop_parks"] == 0  # a crash saves nothing
+            assert await _cached(client, [*PROMPT, *MORE], "A") == 0  # A was only in the slot
+            history = [*REF, *MORE]
+            assert await _cached(client, history, "ref") == len(history) - 1  # parked before
+            assert expected >= len(REF) - 1

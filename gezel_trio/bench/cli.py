@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,6 +104,20 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--ctx-per-slot", type=int, default=4096, metavar="N")
     t.add_argument("--startup-timeout", type=float, default=180.0, metavar="S")
     t.add_argument("--gezel-api", choices=API_STYLES, default="openai")
+    t.add_argument(
+        "--engine-args",
+        default="",
+        metavar="ARGS",
+        help="extra llama-server flags for every launched engine, e.g. '--cache-ram 48'",
+    )
+    t.add_argument(
+        "--models",
+        type=int,
+        default=1,
+        metavar="N",
+        help="serve --model as N models that each session uses in turn (one resident at a "
+        "time: gezel in swap mode, router with --models-max 1)",
+    )
 
     o = parser.add_argument_group("report")
     o.add_argument("--out", type=Path, metavar="DIR", help="default: benchmarks/results/<time>")
@@ -177,6 +192,7 @@ async def _replay_endpoint(
         base_url=endpoint.base_url,
         api=endpoint.api,
         model=endpoint.model,
+        models=endpoint.models,
         mode=args.mode,
         concurrency=args.concurrency,
         seed=args.seed,
@@ -267,6 +283,8 @@ async def bench(args: argparse.Namespace, command: list[str] | None = None) -> i
                 f"a request needs {longest} tokens but --ctx-per-slot is {args.ctx_per_slot}: "
                 "lower --max-prompt-tokens / --max-output-tokens or raise --ctx-per-slot"
             )
+        if args.models < 1:
+            raise BenchError("--models needs at least 1")
         settings = LaunchSettings(
             model_path=args.model.resolve(),
             parallel=args.parallel,
@@ -274,6 +292,8 @@ async def bench(args: argparse.Namespace, command: list[str] | None = None) -> i
             workdir=(out_dir / "logs").resolve(),
             startup_timeout=args.startup_timeout,
             gezel_api=args.gezel_api,
+            engine_args=tuple(shlex.split(args.engine_args)),
+            models=args.models,
         )
         engine = resolve_llama_server()
 

@@ -74,6 +74,8 @@ class ReplayConfig:
     warmup: bool = True
     label: str = ""
     extra_body: Mapping[str, Any] | None = None
+    models: tuple[str, ...] = ()
+    """When set, turn ``i`` of every session goes to ``models[i % len(models)]``."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("closed", "open"):
@@ -97,6 +99,7 @@ class ReplayConfig:
             "vocab_hi": self.vocab_hi,
             "time_scale": self.time_scale,
             "request_timeout": self.request_timeout,
+            "models": list(self.models),
         }
 
 
@@ -521,7 +524,7 @@ class _Replay:
             prompt=self.prompts[turn.key],
             output_tokens=turn.output_tokens,
             session=turn.session,
-            model=config.model,
+            model=config.models[turn.index % len(config.models)] if config.models else config.model,
             seed=_request_seed(config.seed, turn),
             extra=dict(config.extra_body) if config.extra_body else None,
         )

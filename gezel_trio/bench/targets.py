@@ -100,11 +100,22 @@ class LaunchSettings:
     host: str = "127.0.0.1"
     startup_timeout: float = 180.0
     gezel_api: Api = "openai"
+    engine_args: tuple[str, ...] = ()
+    """Extra llama-server flags for every launched engine (``--cache-ram 48``)."""
+    models: int = 1
+    """Serve the model file as this many models (ids ``<id>-a``, ``<id>-b``, ...): sessions
+    then use them in turn, and one engine at a time is resident (swap)."""
 
     @property
     def model_id(self) -> str:
         name = self.model_path.name
         return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+    @property
+    def model_ids(self) -> tuple[str, ...]:
+        if self.models <= 1:
+            return (self.model_id,)
+        return tuple(f"{self.model_id}-{chr(ord('a') + i)}" for i in range(self.models))
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +127,8 @@ class Endpoint:
     api: Api
     model: str | None = None
     description: dict[str, Any] = field(default_factory=dict)
+    models: tuple[str, ...] = ()
+    """Models a session's turns go to in turn (empty: ``model`` for every turn)."""
 
 
 def gguf_vocab_size(path: Path) -> int | None:
@@ -150,6 +163,7 @@ def direct_argv(engine: EngineCommand, settings: LaunchSettings, port: int) -> l
         str(settings.parallel),
         "-c",
         str(settings.parallel * settings.ctx_per_slot),
+        *settings.engine_args,
     ]
 
 
@@ -170,6 +184,7 @@ def router_argv(
         str(settings.parallel),
         "-c",
         str(settings.parallel * settings.ctx_per_slot),
+        *settings.engine_args,
     ]
 
 
@@ -188,27 +203,35 @@ def gezel_config_toml(
     """The ``gezel-trio serve`` config of a benchmark target (the one place its shape
     lives): one model with the benchmark's slots and per-slot context."""
     b = "true" if affinity else "false"
-    return "\n".join(
-        [
-            "[server]",
-            f"host = {_toml_str(settings.host)}",
-            f"port = {port}",
-            "",
-            "[engine]",
-            f"binary = {_toml_str(str(engine.path))}",
-            "",
+    lines = [
+        "[server]",
+        f"host = {_toml_str(settings.host)}",
+        f"port = {port}",
+        "",
+        "[engine]",
+        f"binary = {_toml_str(str(engine.path))}",
+        "",
+    ]
+    if settings.models > 1:
+        lines += ["[gpu]", 'policy = "swap"', ""]
+    args = ", ".join(_toml_str(a) for a in settings.engine_args)
+    for model_id in settings.model_ids:
+        lines += [
             "[[models]]",
-            f"id = {_toml_str(settings.model_id)}",
+            f"id = {_toml_str(model_id)}",
             f"path = {_toml_str(str(settings.model_path))}",
             f"parallel = {settings.parallel}",
             f"ctx_per_slot = {settings.ctx_per_slot}",
-            "",
-            "[scheduler]",
-            f"affinity = {b}",
-            f"kv_parking = {'true' if kv_parking else 'false'}",
+            f"args = [{args}]",
             "",
         ]
-    )
+    lines += [
+        "[scheduler]",
+        f"affinity = {b}",
+        f"kv_parking = {'true' if kv_parking else 'false'}",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def gezel_serve_argv(config_path: Path) -> list[str]:
@@ -384,7 +407,12 @@ async def open_target(
         "log": str(log),
     }
     env = dict(engine.env)
+    models = settings.model_ids if settings.models > 1 else ()
+    description["models"] = list(settings.model_ids)
+    description["engine_args"] = list(settings.engine_args)
     if kind == "direct":
+        if settings.models > 1:
+            raise BenchError("skipped: one llama-server serves one model (--models > 1)")
         argv = direct_argv(engine, settings, port)
         description["argv"] = argv
         async with _launched(argv, env, log, base_url, startup_s=settings.startup_timeout):
@@ -395,14 +423,17 @@ async def open_target(
             raise BenchError(f"skipped: {why_not}")
         models_dir = settings.workdir / f"{name}-models"
         models_dir.mkdir(parents=True, exist_ok=True)
-        link = models_dir / f"{settings.model_id}.gguf"
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(settings.model_path.resolve())
+        for model_id in settings.model_ids:
+            link = models_dir / f"{model_id}.gguf"
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            link.symlink_to(settings.model_path.resolve())
         argv = router_argv(engine, settings, port, models_dir)
         description["argv"] = argv
         async with _launched(argv, env, log, base_url, startup_s=settings.startup_timeout):
-            yield Endpoint(name, base_url, "llama", settings.model_id, description)
+            yield Endpoint(
+                name, base_url, "llama", settings.model_ids[0], description, models=models
+            )
     else:
         on = kind != "gezel-noaffinity"
         parking = kind == "gezel"
@@ -426,4 +457,11 @@ async def open_target(
             startup_s=settings.startup_timeout,
             paths=("/health", "/v1/models"),
         ):
-            yield Endpoint(name, base_url, settings.gezel_api, settings.model_id, description)
+            yield Endpoint(
+                name,
+                base_url,
+                settings.gezel_api,
+                settings.model_ids[0],
+                description,
+                models=models,
+            )
