@@ -1,4 +1,5 @@
-"""The ``gezel-trio`` command: serve, make-model, bench, engine."""
+"""The ``gezel-trio`` command: serve, check-config, make-model, build-engine, bench, and the
+client commands for a running host (ps, status, load, unload, logs, sessions)."""
 
 from __future__ import annotations
 
@@ -89,9 +90,17 @@ def _build_engine(args: argparse.Namespace) -> int:
 
 
 def _check_config(args: argparse.Namespace) -> int:
+    """Validate the file, then check what serving it would hit (files, flags, the memory
+    plan, the engine binary); print the plan. Exit 0 when serving would start, 2 not."""
+    from .config_check import check_config, read_device_health
+
     config = embedded_default(_load_config(args.config))
-    print(json.dumps({"ok": True, "models": [m.id for m in config.models]}))
-    return 0
+    report = check_config(config, trio.run(read_device_health))
+    if args.json:
+        print(json.dumps({**report.as_dict(), "models": [m.id for m in config.models]}))
+    else:
+        print(report.text())
+    return 0 if report.ok else 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,9 +132,18 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--source", help="an unpacked llama.cpp source tree to build instead")
     be.set_defaults(func=_build_engine)
 
-    check = sub.add_parser("check-config", help="validate a config file and exit")
+    check = sub.add_parser(
+        "check-config",
+        help="validate a config and check what serving it would hit (files, flags, memory plan, "
+        "engine binary); print the plan",
+    )
     check.add_argument("--config", "-c")
+    check.add_argument("--json", action="store_true", help="the report as JSON")
     check.set_defaults(func=_check_config)
+
+    from .client_cli import add_client_commands
+
+    add_client_commands(sub)
 
     try:
         from .bench.cli import add_bench_arguments, run_bench

@@ -32,20 +32,33 @@ async def status() -> Response:
 
 @bp.get("/api/models/<model_id>/logs")
 async def logs(model_id: str) -> Response:
+    """The last ``lines`` lines (default 200), or with ``since=N`` the lines after the
+    N-th ever logged; ``next`` is what to pass as ``since`` to follow the log."""
     host = _host()
     rt = host.resolve_model(model_id)
+    log_ring = rt.engine.log
+    since = request.args.get("since")
+    if since is not None:
+        try:
+            seq = int(since)
+        except ValueError:
+            raise FieldError("since", "expected the 'next' number of an earlier answer") from None
+        lines, nxt = log_ring.since(max(0, seq))
+        return json_response({"model": rt.id, "lines": lines, "next": nxt})
     try:
-        n = max(1, min(int(request.args.get("lines", "200")), rt.engine.log.total or 1, 10_000))
+        n = max(1, min(int(request.args.get("lines", "200")), log_ring.total or 1, 10_000))
     except ValueError:
         n = 200
-    return json_response({"model": rt.id, "lines": rt.engine.log.tail(n)})
+    return json_response({"model": rt.id, "lines": log_ring.tail(n), "next": log_ring.total})
 
 
 @bp.post("/api/models/<model_id>/load")
 async def load(model_id: str) -> Response:
+    """Make the model resident as a request would (in swap mode this evicts the others,
+    their sessions parked first) and wait until its engine is ready."""
     host = _host()
     rt = host.resolve_model(model_id)
-    await rt.engine.ensure_ready()
+    await rt.ensure_resident()
     return json_response({"model": rt.id, "state": rt.engine.state.value.value})
 
 

@@ -25,6 +25,14 @@ class LogRing:
         self.total += 1
         self._lines.append((time.time(), line))
 
+    def since(self, seq: int) -> tuple[list[str], int]:
+        """The lines appended after the first ``seq`` ever appended (those still kept),
+        and the sequence number to ask from next time (``total``)."""
+        kept = len(self._lines)
+        first = self.total - kept  # the sequence number of the oldest line kept
+        skip = max(0, seq - first)
+        return [line for _, line in list(self._lines)[skip:]], self.total
+
     def tail(self, n: int = 50) -> list[str]:
         if n <= 0:
             return []

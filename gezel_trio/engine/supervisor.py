@@ -153,6 +153,7 @@ class EngineStats:
     crash_streak: int
     last_crash: str | None
     busy: int
+    idle_seconds: float
     load_seconds: float | None
     stop_seconds: float | None
     argv: tuple[str, ...]
@@ -327,6 +328,7 @@ class Engine:
             crash_streak=self.crash_streak,
             last_crash=self.last_crash,
             busy=self._busy,
+            idle_seconds=round(self.idle_for(), 3),
             load_seconds=self.last_ready_seconds,
             stop_seconds=self.last_stop_seconds,
             argv=self.argv,
