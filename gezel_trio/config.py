@@ -44,6 +44,10 @@ class ServerConfig:
     handed over; past it the client is gone and its request is cancelled."""
     stream_stall_timeout: float = 120.0
     """Seconds a streaming client may stop reading before its request is cancelled."""
+    sse_keepalive_interval: float = 5.0
+    """A streaming request still waiting (queued, or its model loading) after this many
+    seconds gets its 200 response head and an SSE comment every as many seconds, so
+    clients and reverse proxies do not time out; 0 waits silently."""
 
 
 @dataclass
@@ -295,6 +299,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"engine.{name}: expected a positive number of seconds")
     if cfg.engine.health_failures < 1:
         raise ConfigError("engine.health_failures: expected at least 1")
+    if cfg.server.sse_keepalive_interval < 0:
+        raise ConfigError("server.sse_keepalive_interval: expected seconds >= 0 (0: off)")
     if cfg.scheduler.max_queue < 1:
         raise ConfigError("scheduler.max_queue: expected at least 1")
     if cfg.scheduler.slot_poll <= 0:

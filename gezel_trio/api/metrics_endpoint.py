@@ -138,7 +138,8 @@ def install_metrics(app: QuartTrio, metrics: Metrics) -> None:
         status = resp.status_code
         body = resp.response
         if isinstance(body, IterableBody):
-            fields = dict(g.get("gezel_log", {}))
+            # the relay's own dict: a stream that waited fills it in as its body ends
+            fields = g.get("gezel_log", {})
             resp.response = IterableBody(_observed_stream(metrics, body, model, status, t0, fields))
             return resp
         counts: tuple[int | None, int | None, int | None] = (None, None, None)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
@@ -29,7 +30,7 @@ from quart import Response, g, request
 from .._trio import unwrapping
 from ..engine.client import UpstreamHead, sse_error_event
 from ..engine.supervisor import EngineState
-from ..errors import EngineCrashed, FieldError, GezelError
+from ..errors import EngineCrashed, EngineFailed, FieldError, GezelError
 from ..host import Host, ModelRuntime
 from ..scheduler import Grant
 from ..sessions import session_hash
@@ -201,7 +202,9 @@ async def _unary(
                 extra={"fields": {"model": runtime.id, "session": session_hash(session)}},
             )
     _note_for_log(runtime, session, grant)
-    return Response(rename.body(content), status=status, content_type=content_type)
+    return Response(
+        rename.body(content), status=status, content_type=content_type, headers=_wait_header(grant)
+    )
 
 
 class _NothingGenerated(EngineCrashed):
@@ -358,12 +361,24 @@ async def _stream(
     host.tasks.start_soon(runner)
     handed_off = False
     try:
-        try:
-            first = await recv.receive()
-        except trio.EndOfChannel:
-            err = outcome["error"] or EngineCrashed("the engine closed the stream before answering")
-            _note_for_log(runtime, session, outcome["grant"])
-            return response_for(err)
+        keepalive = host.config.server.sse_keepalive_interval
+        first: UpstreamHead | bytes | None = None
+        with trio.move_on_after(keepalive if keepalive > 0 else math.inf):
+            try:
+                first = await recv.receive()
+            except trio.EndOfChannel:
+                err = outcome["error"] or EngineCrashed(
+                    "the engine closed the stream before answering"
+                )
+                _note_for_log(runtime, session, outcome["grant"])
+                return response_for(err)
+        if first is None:
+            # Still queued or loading: commit to a 200 stream and keep the client (and
+            # any proxy) alive with SSE comments; a later failure is an error event.
+            handed_off = True
+            return _waiting_stream(
+                host, runtime, session, recv, scope, body_started, outcome, rename
+            )
         if isinstance(first, bytes):
             # The error event of a job that failed before the engine answered.
             err = outcome["error"] or EngineCrashed("the engine failed before answering")
@@ -409,7 +424,10 @@ async def _stream(
 
         _note_for_log(runtime, session, outcome["grant"])
         resp = Response(
-            body_iter(), status=200, content_type="text/event-stream", headers=SSE_HEADERS
+            body_iter(),
+            status=200,
+            content_type="text/event-stream",
+            headers={**SSE_HEADERS, **_wait_header(outcome["grant"])},
         )
         resp.timeout = None
         host.tasks.start_soon(body_must_start)
@@ -421,14 +439,97 @@ async def _stream(
             recv.close()
 
 
+QUEUE_WAIT_HEADER = "X-Gezel-Queue-Wait-Ms"
+"""How long the request waited for its slot (queue, model load, slot preparation)."""
+
+
+def _wait_header(grant: Grant | None) -> dict[str, str]:
+    return {} if grant is None else {QUEUE_WAIT_HEADER: f"{grant.queue_wait_s * 1000:.1f}"}
+
+
+def _waiting_stream(
+    host: Host,
+    runtime: ModelRuntime,
+    session: str | None,
+    recv: trio.MemoryReceiveChannel[UpstreamHead | bytes],
+    scope: trio.CancelScope,
+    body_started: trio.Event,
+    outcome: dict[str, Any],
+    rename: ModelRename,
+) -> Response:
+    """The response of a stream that is still waiting for its slot: SSE comments every
+    ``sse_keepalive_interval`` until the engine's head arrives, then the engine's
+    stream. The queue wait goes out as a comment (the head has left already); an
+    engine error, before or after its head, becomes an SSE error event."""
+    interval = host.config.server.sse_keepalive_interval
+
+    async def body_iter() -> AsyncIterator[bytes]:
+        body_started.set()
+        try:
+            async with recv:
+                yield b": waiting for a slot\n\n"
+                head: UpstreamHead | None = None
+                while head is None:
+                    with trio.move_on_after(interval):
+                        try:
+                            first = await recv.receive()
+                        except trio.EndOfChannel:
+                            err = outcome["error"] or EngineCrashed(
+                                "the engine closed the stream before answering"
+                            )
+                            yield sse_error_event(err)
+                            return
+                        if isinstance(first, bytes):  # the job failed before the engine answered
+                            yield first
+                            return
+                        head = first
+                        break
+                    yield b": waiting for a slot\n\n"
+                grant = outcome["grant"]
+                if grant is not None:
+                    yield f": queue_wait_ms={grant.queue_wait_s * 1000:.1f}\n\n".encode()
+                if head.status != 200:
+                    text = b"".join([c async for c in recv if isinstance(c, bytes)])
+                    yield sse_error_event(
+                        EngineFailed(f"the engine answered {head.status}: {text[:300]!r}")
+                    )
+                    return
+                async for chunk in recv:
+                    if isinstance(chunk, bytes):
+                        yield rename.chunk(chunk)
+        finally:
+            scope.cancel()
+            # the request's log line is written after the body: give it the grant now
+            fields.update(_log_fields(runtime, session, outcome["grant"]))
+
+    async def body_must_start() -> None:
+        with trio.move_on_after(host.config.server.stream_start_timeout):
+            await body_started.wait()
+            return
+        scope.cancel()
+        recv.close()
+
+    fields = _log_fields(runtime, session, None)
+    g.gezel_log = fields
+    resp = Response(body_iter(), status=200, content_type="text/event-stream", headers=SSE_HEADERS)
+    resp.timeout = None
+    host.tasks.start_soon(body_must_start)
+    return resp
+
+
 def _note_for_log(runtime: ModelRuntime, session: str | None, grant: Grant | None) -> None:
     """Hand the request log line what only the relay knows (see metrics_endpoint.log_request),
     and, after a KV restore, who verifies it against the answer's cached tokens."""
-    g.gezel_log = {
+    g.gezel_log = _log_fields(runtime, session, grant)
+
+
+def _log_fields(runtime: ModelRuntime, session: str | None, grant: Grant | None) -> dict[str, Any]:
+    fields: dict[str, Any] = {
         "session": session_hash(session),
         "slot": grant.slot_id if grant else None,
         "queue_wait_ms": round(grant.queue_wait_s * 1000, 2) if grant else None,
         "prepare_calls": grant.prepare_calls if grant else None,
     }
     if grant is not None and grant.restored_tokens:
-        g.gezel_log["verify_restore"] = partial(runtime.verify_restore, grant.restored_tokens)
+        fields["verify_restore"] = partial(runtime.verify_restore, grant.restored_tokens)
+    return fields
