@@ -3,6 +3,7 @@ it waited (``X-Gezel-Queue-Wait-Ms``, or a comment once a waiting stream's head 
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ async def test_a_queued_stream_gets_keepalives_then_its_answer(
         server={"sse_keepalive_interval": 0.2},
     )
     with trio.fail_after(120):
-        async with running(cfg) as (host, client):
+        async with running(cfg) as (_host, client):
             r = await client.post("/v1/completions", json={**LONG, "max_tokens": 2})
             assert r.status_code == 200
             assert float(r.headers["X-Gezel-Queue-Wait-Ms"]) >= 0  # a unary answer's header
@@ -65,7 +66,7 @@ async def test_a_queued_stream_gets_keepalives_then_its_answer(
             comments = [(t, line) for t, line in lines if line.startswith(":")]
             waiting = [t for t, line in comments if line == ": waiting for a slot"]
             assert len(waiting) >= 3, lines  # the other stream held the slot for a while
-            assert all(b - a < 1.0 for a, b in zip(waiting, waiting[1:], strict=False))
+            assert all(b - a < 1.0 for a, b in itertools.pairwise(waiting))
             wait_ms = [line for _, line in comments if line.startswith(": queue_wait_ms=")]
             assert len(wait_ms) == 1 and float(wait_ms[0].split("=")[1]) > 400
             data = [line for _, line in lines if line.startswith("data:")]
