@@ -17,8 +17,9 @@ from .errors import ConfigError, GezelError
 
 
 def embedded_default(config: Config) -> Config:
-    """No models configured: serve the generated ``tiny`` demo model as ``demo``."""
-    if not config.models:
+    """No models configured (and no ``models_dir``): serve the generated ``tiny`` demo model
+    as ``demo``."""
+    if not config.models and not config.engine.models_dir:
         from .engine.demo_model import demo_model_path
 
         config.models.append(
@@ -51,6 +52,8 @@ def _serve(args: argparse.Namespace) -> int:
         config.engine.binary = args.engine_binary
     if args.log_level is not None:
         config.server.log_level = args.log_level
+    if args.models_dir is not None:
+        config.engine.models_dir = args.models_dir
     for i, path in enumerate(args.model or []):
         p = Path(path)
         config.models.append(ModelConfig(id=p.stem if i == 0 else f"{p.stem}-{i}", path=str(p)))
@@ -114,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", "-p", type=int, help="port (default 8080)")
     serve.add_argument("--engine-binary", help="path to llama-server")
     serve.add_argument("--model", "-m", action="append", help="serve this GGUF file (repeatable)")
+    serve.add_argument(
+        "--models-dir", help="serve every GGUF in this folder (files added later too)"
+    )
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=_serve)
 

@@ -66,6 +66,13 @@ class EngineConfig:
     """Seconds between SIGTERM and SIGKILL."""
     log_lines: int = 400
     extra_args: list[str] = field(default_factory=list)
+    models_dir: str | None = None
+    """Serve every GGUF in this folder with the defaults (as llama-server's router does):
+    split files are one model, an ``mmproj`` file is paired with its model, ids come
+    from the file names, and files added or removed while serving are picked up. A
+    ``[[models]]`` entry for the same file wins."""
+    models_dir_poll: float = 2.0
+    """Seconds between looks at ``models_dir`` for files added or removed."""
 
 
 @dataclass
@@ -134,6 +141,8 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     gpu: GpuConfig = field(default_factory=GpuConfig)
     models: list[ModelConfig] = field(default_factory=list)
+    source: str | None = field(default=None, compare=False)
+    """The file this config was read from (what a reload reads again); None: built in code."""
 
     @property
     def state_dir(self) -> Path:
@@ -353,6 +362,7 @@ def load_config(path: str | os.PathLike[str] | None) -> Config:
     cfg = config_from_mapping(data)
     apply_env(cfg, os.environ)
     validate(cfg)
+    cfg.source = None if path is None else str(path)
     return cfg
 
 

@@ -28,6 +28,7 @@ from .engine.planner import plan_engine
 from .errors import GezelError
 from .gpu.ledger import CPU_DEVICE, default_capacities, format_bytes
 from .gpu.probe import DeviceHealth, NvmlProbe
+from .models_dir import models_from_dir
 
 __all__ = ["CheckReport", "check_config"]
 
@@ -91,7 +92,7 @@ def check_config(config: Config, health: DeviceHealth | None) -> CheckReport:
     report.budget_bytes = capacities.get(report.device, 0)
     total = 0
     largest = 0
-    for i, model in enumerate(config.models):
+    for i, model in enumerate(models_from_dir(config.models, config.engine.models_dir)):
         key = f"models[{i}] ({model.id})"
         if model.external:
             report.plans[model.id] = {"summary": f"external engine at {model.url}"}

@@ -20,6 +20,7 @@ from .config import Config
 from .errors import GezelError
 from .gpu.probe import Probe
 from .host import Host, open_host
+from .host.catalog import reload
 
 log = logging.getLogger("gezel_trio.server")
 
@@ -152,7 +153,8 @@ async def serve_host(
 
 
 async def serve_until_signalled(config: Config) -> None:
-    """Serve until SIGINT or SIGTERM, then shut down gracefully.
+    """Serve until SIGINT or SIGTERM, then shut down gracefully; SIGHUP reloads the
+    config file (see :func:`gezel_trio.host.catalog.reload`).
 
     The signal handlers stay installed for the whole shutdown: a second
     Ctrl-C while engines are stopping is logged and absorbed instead of
@@ -161,16 +163,20 @@ async def serve_until_signalled(config: Config) -> None:
     themselves (see :func:`open_server`), never as an exception group.
     """
     shutdown = trio.Event()
+    hosts: list[Host] = []
     # What the receiver restores when it closes: a Ctrl-C between the end of the
     # shutdown and the process's exit is ignored, not a KeyboardInterrupt at exit.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
 
         async def watch() -> None:
             async for signum in signals:
                 name = signal.Signals(signum).name
-                if not shutdown.is_set():
+                if signum == signal.SIGHUP:
+                    if hosts and not shutdown.is_set():
+                        nursery.start_soon(_reload_logged, hosts[0])
+                elif not shutdown.is_set():
                     log.info("shutting down", extra={"fields": {"signal": name}})
                     shutdown.set()
                 else:
@@ -181,5 +187,17 @@ async def serve_until_signalled(config: Config) -> None:
 
         async with unwrapping(), trio.open_nursery() as nursery:
             nursery.start_soon(watch)
-            await serve_host(config, shutdown_trigger=shutdown.wait)
+            async with open_server(config, shutdown_trigger=shutdown.wait) as (host, _):
+                hosts.append(host)
+                await shutdown.wait()
             nursery.cancel_scope.cancel()
+
+
+async def _reload_logged(host: Host) -> None:
+    """A SIGHUP's reload: its outcome, or why the file was refused, goes to the log."""
+    try:
+        result = await reload(host)
+    except GezelError as exc:
+        log.error("reload refused, the running config stays: %s", exc.message)
+    else:
+        log.info("reloaded", extra={"fields": result})

@@ -12,6 +12,7 @@ from quart import Blueprint, Response, current_app, request
 from ..config import Config, GpuPolicySetting, LogLevel, _coerce, validate
 from ..errors import ConfigError, FieldError
 from ..host import Host
+from ..host.catalog import reload
 from .errors import json_response
 from .validation import read_json_object
 
@@ -68,6 +69,14 @@ async def unload(model_id: str) -> Response:
     rt = host.resolve_model(model_id)
     await rt.engine.stop()
     return json_response({"model": rt.id, "state": rt.engine.state.value.value})
+
+
+@bp.post("/api/reload")
+async def reload_config() -> Response:
+    """Re-read the config file and apply its models (as SIGHUP does): 200 with what was
+    added, removed, changed; 400 naming the key when the file is invalid (nothing
+    changes)."""
+    return json_response(await reload(_host()))
 
 
 @bp.post("/api/models/<model_id>/calibrate")

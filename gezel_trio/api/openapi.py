@@ -375,6 +375,21 @@ def _build_spec() -> dict[str, Any]:
                 },
             }
         },
+        "/api/reload": {
+            "post": {
+                "tags": ["admin"],
+                "summary": "Re-read the config file and apply its models, as SIGHUP does: "
+                "added ones appear, removed ones drain and stop, changed ones restart when idle",
+                "responses": {
+                    "200": _ok(
+                        "`{added, removed, changed, unchanged, restart_needed}`", {"type": "object"}
+                    ),
+                    "400": _err("The file is invalid (the key is named); nothing changed."),
+                    "401": E401,
+                    "403": E403,
+                },
+            }
+        },
         "/api/sessions": {
             "get": {
                 "tags": ["sessions"],

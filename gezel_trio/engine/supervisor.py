@@ -217,6 +217,7 @@ class Engine:
         self.last_stop_seconds: float | None = None
         """Seconds from SIGTERM to exit on the last graceful stop."""
         self._busy = 0
+        self._in_use: AsyncValue[int] = AsyncValue(0)
         self._last_used = trio.current_time()
         self._attempt_no = 0
         self._current: _Attempt | None = None
@@ -289,15 +290,22 @@ class Engine:
     def in_use(self) -> Iterator[None]:
         """Mark the engine busy for the idle-TTL clock while the block runs."""
         self._busy += 1
+        self._in_use.value = self._busy
         try:
             yield
         finally:
             self._busy -= 1
+            self._in_use.value = self._busy
             self._last_used = trio.current_time()
 
     @property
     def busy(self) -> int:
         return self._busy
+
+    async def wait_idle(self) -> None:
+        """Return once no ``in_use`` block holds the engine (at once if none does).
+        Cancellation abandons the wait."""
+        await self._in_use.wait_value(0)
 
     def idle_for(self) -> float:
         return 0.0 if self._busy else trio.current_time() - self._last_used

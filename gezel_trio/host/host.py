@@ -12,11 +12,10 @@ scheduler before the engines, each engine before its reservation.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,10 +27,8 @@ from .. import __version__
 from .._trio import unwrapping
 from ..config import Config
 from ..engine.argv import last_arg_value
-from ..engine.client import EngineClient
-from ..engine.gguf_meta import GGUFError, read_gguf_info
 from ..engine.speed import measure_speed
-from ..engine.supervisor import default_slot_save_dir, no_reservation, open_engine
+from ..engine.supervisor import default_slot_save_dir
 from ..errors import ConfigError, ModelLocked, UnknownModel
 from ..gpu.arbiter import GpuArbiter, resolve_policy
 from ..gpu.health import DeviceSafetyPolicy, HealthGate
@@ -53,8 +50,9 @@ from ..scheduler import (
 )
 from ..sessions import SessionKeys
 from .calibration import CalibrationBook, Calibrator, calibrate, serve_calibration
+from .catalog import open_model, serve_models_dir, wanted_models
 from .metrics import Metrics
-from .placement import EngineResolver, argv_builder, engine_timing, reservation_for
+from .placement import EngineResolver
 from .runtime import ModelRuntime
 from .watchers import serve_device_health, serve_memory_pressure
 
@@ -99,6 +97,12 @@ class Host:
         self.last_device_health: dict[str, Any] | None = None
         self.kv: KvStore | None = None
         """The parked-KV store (None with ``kv_parking`` off)."""
+        self.transport: httpx.AsyncBaseTransport = http._transport
+        """The connection pool every engine call goes through."""
+        self.engines: trio.Nursery = _unset_nursery()
+        """Where each model's engine lives (see :mod:`.catalog`); closed last."""
+        self.serving = False
+        """True while ``open_host``'s block runs (its tasks nursery is open)."""
 
     def __repr__(self) -> str:
         return f"<Host {len(self.models)} models policy={self.arbiter.policy}>"
@@ -332,7 +336,7 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
         unwrapping(),
         httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(30.0)) as http,
         open_ledger(state_dir / "ledger.sqlite", capacities=default_capacities(health)) as ledger,
-        AsyncExitStack() as stack,
+        trio.open_nursery() as engines,
     ):
         host = Host(
             config=config,
@@ -343,56 +347,17 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
             ledger=ledger,
             sessions=sessions,
         )
+        host.transport = transport
+        host.engines = engines
         host.last_device_health = health.as_dict()
         await resolver.load_facts()
         if config.scheduler.kv_parking:
             host.kv = await trio.to_thread.run_sync(open_kv_store, config)
-        for model in config.models:
-            env = None
-            if not model.external and resolver.error is None:
-                env = resolver.get().launch_env()
-            runtime = ModelRuntime(
-                config=model,
-                engine=None,  # type: ignore[arg-type]  # set below: it needs the runtime
-                client=None,  # type: ignore[arg-type]  # set below: it needs the engine
-                arbiter=arbiter,
-                metrics=host.metrics,
-                kv=None if model.external else host.kv,
-                build=host.build_fingerprint(),
-            )
-            runtime.engine = await stack.enter_async_context(
-                open_engine(
-                    key=model.id,
-                    model_id=model.id,
-                    http=http,
-                    argv_builder=None
-                    if model.external
-                    else argv_builder(config, runtime, resolver, state_dir),
-                    url=model.url,
-                    env=env,
-                    timing=engine_timing(config, model),
-                    log_lines=config.engine.log_lines,
-                    reserve=no_reservation
-                    if model.external
-                    else reservation_for(runtime, ledger=ledger, device=host.compute_device),
-                    pid_file=None if model.external else state_dir / "engines" / f"{model.id}.json",
-                )
-            )
-            runtime.client = EngineClient(
-                transport,
-                runtime.engine,
-                read_timeout=config.engine.request_timeout,
-                model_id=model.id,
-            )
-            if not model.external:
-                arbiter.register_evictor(model.gpu_class, runtime.engine.stop, owner_id=model.id)
-                assert model.path is not None
-                with contextlib.suppress(GGUFError):  # an unreadable file fails at engine start
-                    runtime.gguf = await trio.to_thread.run_sync(read_gguf_info, model.path)
-            host.models[model.id] = runtime
-        sched = config.scheduler
-        host.scheduler = await stack.enter_async_context(
-            open_scheduler(
+        try:
+            for model in await trio.to_thread.run_sync(wanted_models, config):
+                await open_model(host, model)
+            sched = config.scheduler
+            async with open_scheduler(
                 lanes=host.models,
                 settings=SchedulerSettings(
                     residency="swap" if arbiter.policy == "swap" else "coexist",
@@ -403,30 +368,32 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
                     erase_on_handoff=sched.erase_on_handoff,
                     kv_parking=sched.kv_parking,
                 ),
-            )
-        )
-        for rt in host.models.values():
-            if not rt.config.external:
-                rt.engine.before_stop = partial(host.park_before_stop, rt)
-        async with trio.open_nursery() as tasks:
-            host.tasks = tasks
-            await tasks.start(serve_device_health, host.refresh_device_health)
-            await tasks.start(
-                partial(
-                    serve_memory_pressure,
-                    arbiter,
-                    host.models,
-                    grace=config.gpu.pressure_grace,
-                    on_release=host.note_pressure_release,
-                )
-            )
-            for rt in host.models.values():
-                if not rt.config.external:
-                    await tasks.start(serve_calibration, host.calibrator(), rt)
-            try:
-                yield host
-            finally:
-                tasks.cancel_scope.cancel()
+            ) as scheduler:
+                host.scheduler = scheduler
+                async with trio.open_nursery() as tasks:
+                    host.tasks = tasks
+                    await tasks.start(serve_device_health, host.refresh_device_health)
+                    await tasks.start(
+                        partial(
+                            serve_memory_pressure,
+                            arbiter,
+                            host.models,
+                            grace=config.gpu.pressure_grace,
+                            on_release=host.note_pressure_release,
+                        )
+                    )
+                    for rt in list(host.models.values()):
+                        if not rt.config.external:
+                            await tasks.start(serve_calibration, host.calibrator(), rt)
+                    await tasks.start(serve_models_dir, host)
+                    host.serving = True
+                    try:
+                        yield host
+                    finally:
+                        host.serving = False
+                        tasks.cancel_scope.cancel()
+        finally:
+            engines.cancel_scope.cancel()  # every engine stops (its sessions parked first)
         if isinstance(nvml, NvmlProbe):
             with trio.move_on_after(2, shield=True):
                 await nvml.aclose()
@@ -435,9 +402,9 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
 def kv_dirs(config: Config) -> dict[str, Path]:
     """Each spawned model's slot-save directory, where its parked files live: the
     user's ``--slot-save-path`` by its last occurrence (as llama-server reads it),
-    else the host's default under the state dir."""
+    else the host's default under the state dir. Blocking file I/O."""
     dirs: dict[str, Path] = {}
-    for model in config.models:
+    for model in wanted_models(config):
         if model.external:
             continue
         user = last_arg_value(model.args, "--slot-save-path")

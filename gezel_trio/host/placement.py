@@ -83,9 +83,8 @@ def engine_timing(config: Config, model: ModelConfig) -> SupervisorTiming:
 def argv_builder(
     config: Config, runtime: ModelRuntime, resolver: EngineResolver, state_dir: Path
 ) -> Callable[[int], tuple[list[str], int]]:
-    model = runtime.config
-
     def build(port: int) -> tuple[list[str], int]:
+        model = runtime.config  # read at each start: a reload may have changed it
         binary = resolver.get()
         assert model.path is not None
         if not Path(model.path).is_file():
@@ -123,10 +122,10 @@ def reservation_for(
     Cancellation while planning holds nothing; inside, the reservation is
     released on the way out.
     """
-    model = runtime.config
 
     @asynccontextmanager
     async def reserve() -> AsyncIterator[object]:
+        model = runtime.config  # read at each start: a reload may have changed it
         assert model.path is not None
         if runtime.gguf is None:
             try:

@@ -17,6 +17,8 @@ from contextlib import AbstractAsyncContextManager, AbstractContextManager, asyn
 from dataclasses import dataclass, field
 from typing import Any
 
+import trio
+
 from ..config import ModelConfig
 from ..engine.argv import kv_shape_flags, last_arg_value
 from ..engine.client import EngineClient
@@ -59,6 +61,8 @@ class ModelRuntime:
     build: str = "unknown-build"
     """The engine build's fingerprint (part of a parked file's compatibility)."""
     _ineffective_streak: int = 0
+    retired: trio.Event = field(default_factory=trio.Event)
+    """Set when the model is taken out of service: its engine's task then ends."""
     metrics: Metrics | None = None
     gguf: GGUFInfo | None = None
     last_benchmark: dict[str, Any] | None = None

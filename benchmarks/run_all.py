@@ -1,0 +1,172 @@
+"""Run every benchmark, one after another, and record how each went: ``tox -e bench``.
+
+    python benchmarks/run_all.py [--quick] [--only a,b] [--skip a,b] [--list]
+
+Each benchmark runs as its own process (``python -m benchmarks.<name> ...``) from the
+repository root, so one that fails or hangs does not take the others with it; each writes
+its own figures under ``benchmarks/results/``. ``--quick`` runs each in its smoke form
+(minutes in all instead of about an hour: the soak alone is 30 minutes). The trace replay
+(``gezel-trio bench`` on the Weka traces) runs when ``../shared/traces/weka`` exists.
+
+Writes ``benchmarks/results/run_all.json``: per benchmark its command, exit status,
+seconds and the last lines it printed. Exits 1 when any benchmark failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+TRACES = ROOT.parent / "shared" / "traces" / "weka"
+
+
+@dataclass(frozen=True)
+class Bench:
+    name: str
+    full: tuple[str, ...]
+    quick: tuple[str, ...]
+    needs: Path | None = None
+
+    def argv(self, *, quick: bool) -> list[str]:
+        return [sys.executable, *(self.quick if quick else self.full)]
+
+
+def _module(name: str, *args: str) -> tuple[str, ...]:
+    return ("-m", f"benchmarks.{name}", *args)
+
+
+def _replay(out: str, *args: str) -> tuple[str, ...]:
+    return (
+        "-m",
+        "gezel_trio.cli",
+        "bench",
+        "--trace",
+        f"weka:{TRACES}",
+        "--tokens-per-block",
+        "4",
+        "--max-turns",
+        "8",
+        "--max-prompt-tokens",
+        "3500",
+        "--max-output-tokens",
+        "16",
+        "--time-scale",
+        "0.05",
+        "--parallel",
+        "2",
+        "--ctx-per-slot",
+        "4096",
+        "--compare",
+        "--check",
+        "--no-progress",
+        "--out",
+        str(RESULTS / out),
+        *args,
+    )
+
+
+BENCHES = (
+    Bench("proxy_overhead", _module("proxy_overhead"), _module("proxy_overhead", "--quick")),
+    Bench("dispatcher_cost", _module("dispatcher_cost"), _module("dispatcher_cost")),
+    Bench(
+        "swap_time",
+        _module("swap_time", "--size", "small"),
+        _module("swap_time", "--size", "tiny", "--runs", "1"),
+    ),
+    Bench("cache_reuse", _module("cache_reuse"), _module("cache_reuse", "--turns", "3")),
+    Bench(
+        "calibration_cost",
+        _module("calibration_cost", "--requests", "100"),
+        _module("calibration_cost", "--requests", "20"),
+    ),
+    Bench(
+        "kv_return",
+        _module("kv_return"),
+        _module("kv_return", "--repeats", "1", "--tokens", "1000"),
+    ),
+    Bench("soak", _module("soak", "--minutes", "30"), _module("soak", "--quick")),
+    Bench(
+        "replay_weka",
+        _replay("weka-small-2x", "--max-sessions", "4", "--targets", "direct,router,gezel"),
+        _replay("weka-quick", "--max-sessions", "2", "--targets", "direct,gezel"),
+        needs=TRACES,
+    ),
+)
+
+
+def _demo_small() -> Path:
+    """The ``small`` demo model the replays use (generated once, cached)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "gezel_trio.cli", "make-model", "--size", "small"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="each benchmark's smoke form")
+    ap.add_argument("--only", default="", help="comma-separated names to run")
+    ap.add_argument("--skip", default="", help="comma-separated names to leave out")
+    ap.add_argument("--list", action="store_true", help="print the benchmarks and exit")
+    args = ap.parse_args(argv)
+    names = {b.name for b in BENCHES}
+    only = {n for n in args.only.split(",") if n}
+    skip = {n for n in args.skip.split(",") if n}
+    unknown = (only | skip) - names
+    if unknown:
+        ap.error(
+            f"unknown benchmark(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(names))}"
+        )
+    chosen = [b for b in BENCHES if (not only or b.name in only) and b.name not in skip]
+    if args.list:
+        for b in chosen:
+            print(b.name, " ".join(b.argv(quick=args.quick)[1:]))
+        return 0
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    report: list[dict[str, object]] = []
+    for bench in chosen:
+        argv_ = bench.argv(quick=args.quick)
+        if bench.needs is not None and not bench.needs.exists():
+            print(f"== {bench.name}: skipped ({bench.needs} does not exist)", flush=True)
+            report.append({"name": bench.name, "status": "skipped", "why": f"no {bench.needs}"})
+            continue
+        if bench.name.startswith("replay"):
+            argv_ += ["--model", str(_demo_small())]
+        print(f"== {bench.name}: {' '.join(argv_[1:])}", flush=True)
+        t0 = time.monotonic()
+        proc = subprocess.run(argv_, cwd=ROOT, capture_output=True, text=True)
+        seconds = round(time.monotonic() - t0, 1)
+        output = (proc.stdout + proc.stderr).strip().splitlines()
+        for line in output[-15:]:
+            print(f"   {line}", flush=True)
+        status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
+        print(f"== {bench.name}: {status} in {seconds}s", flush=True)
+        report.append(
+            {
+                "name": bench.name,
+                "command": argv_[1:],
+                "status": status,
+                "seconds": seconds,
+                "tail": output[-40:],
+            }
+        )
+    path = RESULTS / ("run_all_quick.json" if args.quick else "run_all.json")
+    path.write_text(json.dumps({"quick": args.quick, "benchmarks": report}, indent=2) + "\n")
+    failed = [r["name"] for r in report if r["status"] not in ("ok", "skipped")]
+    print(f"wrote {path}; " + (f"failed: {', '.join(map(str, failed))}" if failed else "all ok"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
