@@ -14,6 +14,7 @@ from gezel_trio.engine.supervisor import EngineState
 from gezel_trio.models_dir import models_from_dir, scan_models_dir
 
 from .conftest import make_config, running
+from .fault_tools import wait_until
 
 
 def _touch(path: Path) -> Path:
@@ -76,8 +77,7 @@ async def test_files_added_and_removed_while_serving(
                 await client.post("/v1/completions", json={**body, "model": "first"})
             ).status_code == 200
             shutil.copyfile(tiny_model, folder / "second.gguf")
-            while "second" not in host.models:
-                await trio.sleep(0.1)
+            await wait_until(lambda: "second" in host.models, within=10, what="second served")
             r = await client.post("/v1/completions", json={**body, "model": "second"})
             assert r.status_code == 200, r.text
             first = host.models["first"]
