@@ -31,6 +31,13 @@ async def status() -> Response:
     return json_response(_host().status())
 
 
+@bp.get("/api/activity")
+async def activity() -> Response:
+    """The dashboard's feed: the last requests (newest first) and the per-second series
+    of queue depth, running jobs and median TTFT over the last ten minutes."""
+    return json_response(_host().activity.snapshot())
+
+
 @bp.get("/api/models/<model_id>/logs")
 async def logs(model_id: str) -> Response:
     """The last ``lines`` lines (default 200), or with ``since=N`` the lines after the

@@ -28,6 +28,7 @@ from quart_trio import QuartTrio
 
 from ..errors import GezelError
 from ..host import Host
+from ..host.activity import Activity, RequestEvent
 from ..host.metrics import CONTENT_TYPE, Metrics
 
 bp = Blueprint("metrics", __name__)
@@ -140,7 +141,10 @@ def install_metrics(app: QuartTrio, metrics: Metrics) -> None:
         if isinstance(body, IterableBody):
             # the relay's own dict: a stream that waited fills it in as its body ends
             fields = g.get("gezel_log", {})
-            resp.response = IterableBody(_observed_stream(metrics, body, model, status, t0, fields))
+            fields.setdefault("path", request.path)
+            resp.response = IterableBody(
+                _observed_stream(metrics, body, model, status, t0, fields, _activity())
+            )
             return resp
         counts: tuple[int | None, int | None, int | None] = (None, None, None)
         if status == 200 and (resp.content_length or 0) <= _MAX_PARSE_BYTES:
@@ -152,10 +156,15 @@ def install_metrics(app: QuartTrio, metrics: Metrics) -> None:
                     pass
         duration = time.perf_counter() - t0
         metrics.request_done(model, status, duration, None, *counts)
-        fields = g.get("gezel_log", {})
-        log_request(model, status, duration, None, counts, fields)
+        fields = {"path": request.path, **g.get("gezel_log", {})}
+        log_request(model, status, duration, None, counts, fields, _activity())
         _verify_restore(fields, status, counts)
         return resp
+
+
+def _activity() -> Activity:
+    host: Host = current_app.config["GEZEL_HOST"]
+    return host.activity
 
 
 async def _observed_stream(
@@ -165,6 +174,7 @@ async def _observed_stream(
     status: int,
     t0: float,
     fields: dict[str, Any],
+    activity: Activity,
 ) -> AsyncIterator[bytes]:
     first: float | None = None
     recent: collections.deque[bytes] = collections.deque()
@@ -185,7 +195,7 @@ async def _observed_stream(
         duration = time.perf_counter() - t0
         counts = _tail_counts(b"".join(recent)[-_TAIL_BYTES:])
         metrics.request_done(model, status, duration, ttft, *counts)
-        log_request(model, status, duration, ttft, counts, fields)
+        log_request(model, status, duration, ttft, counts, fields, activity)
         _verify_restore(fields, status, counts)
 
 
@@ -208,10 +218,26 @@ def log_request(
     ttft_s: float | None,
     counts: tuple[int | None, int | None, int | None],
     fields: dict[str, Any],
+    activity: Activity | None = None,
 ) -> None:
     """The one structured line per request: model, session hash, slot, queue wait,
     TTFT, tokens, status. ``fields`` carries what the relay knew (session, slot, wait)."""
     prompt, cached, completion = counts
+    if activity is not None:
+        activity.record(
+            RequestEvent(
+                at=round(time.time(), 3),
+                model=model,
+                status=status,
+                path=fields.get("path"),
+                session=fields.get("session"),
+                ttft_ms=None if ttft_s is None else round(ttft_s * 1000, 2),
+                duration_ms=round(duration_s * 1000, 2),
+                prompt_tokens=prompt,
+                cached_tokens=cached,
+                completion_tokens=completion,
+            )
+        )
     request_log.info(
         "request",
         extra={

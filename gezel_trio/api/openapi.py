@@ -375,6 +375,18 @@ def _build_spec() -> dict[str, Any]:
                 },
             }
         },
+        "/api/activity": {
+            "get": {
+                "tags": ["admin"],
+                "summary": "Recent requests (TTFT, tokens, cache hits) and per-second queue "
+                "depth, running jobs and median TTFT over the last ten minutes",
+                "responses": {
+                    "200": _ok("`{requests: [...], series: [...]}`", {"type": "object"}),
+                    "401": E401,
+                    "403": E403,
+                },
+            }
+        },
         "/api/reload": {
             "post": {
                 "tags": ["admin"],

@@ -49,6 +49,7 @@ from ..scheduler import (
     open_scheduler,
 )
 from ..sessions import SessionKeys
+from .activity import Activity
 from .calibration import CalibrationBook, Calibrator, calibrate, serve_calibration
 from .catalog import open_model, serve_models_dir, wanted_models
 from .metrics import Metrics
@@ -103,6 +104,8 @@ class Host:
         """Where each model's engine lives (see :mod:`.catalog`); closed last."""
         self.serving = False
         """True while ``open_host``'s block runs (its tasks nursery is open)."""
+        self.activity = Activity()
+        """Recent requests and per-second queue and TTFT series (the dashboard's)."""
 
     def __repr__(self) -> str:
         return f"<Host {len(self.models)} models policy={self.arbiter.policy}>"
@@ -386,6 +389,7 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
                         if not rt.config.external:
                             await tasks.start(serve_calibration, host.calibrator(), rt)
                     await tasks.start(serve_models_dir, host)
+                    await tasks.start(serve_activity, host)
                     host.serving = True
                     try:
                         yield host
@@ -397,6 +401,18 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
         if isinstance(nvml, NvmlProbe):
             with trio.move_on_after(2, shield=True):
                 await nvml.aclose()
+
+
+async def serve_activity(
+    host: Host, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Sample the queue into ``host.activity`` once a second until cancelled."""
+    task_status.started()
+    while True:
+        await trio.sleep(1.0)
+        if host.scheduler is not None:
+            stats = host.scheduler.statistics()
+            host.activity.sample(queued=stats.queued, running=sum(stats.running.values()))
 
 
 def kv_dirs(config: Config) -> dict[str, Path]:
