@@ -212,19 +212,27 @@ async def test_reused_pid_does_not_keep_a_dead_process_bytes(db: Path) -> None:
 def test_process_liveness() -> None:
     me = os.getpid()
     token = process_start_token(me)
-    assert token is not None and token.endswith(":" + _starttime(me))
+    # the process's start time, to the millisecond: /proc's field 22 (clock ticks after
+    # boot) plus the boot time, as the kernel and psutil count them
+    assert token is not None and abs(float(token) - _started_at(me)) < 0.02
     assert process_alive(me, token)
     assert process_alive(me, None)
-    assert not process_alive(me, "other-boot:1")
+    assert not process_alive(me, f"{float(token) - 1:.3f}")  # another process's start
     assert not process_alive(0, None) and not process_alive(-5, None)
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     assert not process_alive(child.pid, None)
 
 
-def _starttime(pid: int) -> str:
+def _started_at(pid: int) -> float:
     raw = Path(f"/proc/{pid}/stat").read_text()
-    return raw[raw.rfind(")") + 2 :].split()[19]
+    ticks = int(raw[raw.rfind(")") + 2 :].split()[19])
+    btime = next(
+        int(line.split()[1])
+        for line in Path("/proc/stat").read_text().splitlines()
+        if line.startswith("btime ")
+    )
+    return btime + ticks / os.sysconf("SC_CLK_TCK")
 
 
 CHILD = """

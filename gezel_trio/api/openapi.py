@@ -4,6 +4,15 @@ Hand-written, so that it says what the host does rather than what a
 framework guesses: every route and every status code it can answer with.
 ``tests/test_api_admin_metrics.py`` checks that it names exactly the routes
 the app serves.
+
+Why not generated (quart-schema is the library for Quart): its documents come
+from pydantic or msgspec models declared on each route. The inference routes
+pass llama-server's bodies through (any field the engine takes, checked by
+``api/validation.py`` for the fields the host itself reads), so a model would
+either reject valid engine fields or describe nothing; and the error statuses,
+which are most of what a client needs to know, come from the one error map,
+not from route signatures. A generator would add pydantic and a route
+decorator to every endpoint to produce a less exact document.
 """
 
 from __future__ import annotations

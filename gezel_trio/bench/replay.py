@@ -221,6 +221,11 @@ class Progress:
 
     On a terminal the line is rewritten in place at most every ``interval`` seconds;
     elsewhere a line is printed at each tenth of the way. ``stream=None`` is silent.
+
+    Why not tqdm or rich: the line carries replay state (in flight, failed, the
+    target's name) that changes without the count moving, it must be silent when the
+    report goes to a pipe, and the bench's output is parsed by the tests; a progress
+    library would add a dependency to every install for one status line.
     """
 
     def __init__(
