@@ -92,6 +92,45 @@ def _build_engine(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rpc_worker(args: argparse.Namespace) -> int:
+    """Run the bundled (or built) ``ggml-rpc-server`` in the foreground."""
+    import ipaddress
+    import os
+
+    from .engine.binary import resolve_engine
+    from .engine.rpc import RPC_WORKER, run_worker, worker_argv, worker_binary
+
+    engine = None
+    try:
+        engine = resolve_engine(args.engine_binary)
+    except GezelError:
+        pass
+    binary = worker_binary(engine.path if engine else None)
+    if binary is None:
+        raise GezelError(
+            f"no {RPC_WORKER} found beside llama-server or on PATH "
+            "(the engine extra ships one; build-engine builds one)"
+        )
+    try:
+        loopback = ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        loopback = args.host == "localhost"
+    if not loopback:
+        print(
+            f"gezel-trio: warning: the RPC worker listens on {args.host}:{args.port}. The RPC "
+            "protocol has no authentication: anyone who can reach that port can run "
+            "computations on this machine and read what it holds. Bind loopback, or a "
+            "private network only the host can reach.",
+            file=sys.stderr,
+        )
+    argv = worker_argv(
+        binary, host=args.host, port=args.port, device=args.device, threads=args.threads
+    )
+    env = dict(engine.launch_env()) if engine else dict(os.environ)
+    print(f"gezel-trio: {' '.join(argv)}", file=sys.stderr)
+    return run_worker(argv, env)
+
+
 def _check_config(args: argparse.Namespace) -> int:
     """Validate the file, then check what serving it would hit (files, flags, the memory
     plan, the engine binary); print the plan. Exit 0 when serving would start, 2 not."""
@@ -137,6 +176,17 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--jobs", "-j", type=int, help="parallel compile jobs (default: all cores)")
     be.add_argument("--source", help="an unpacked llama.cpp source tree to build instead")
     be.set_defaults(func=_build_engine)
+
+    rpc = sub.add_parser(
+        "rpc-worker",
+        help="run a llama.cpp RPC worker (ggml-rpc-server) for another host's models to use",
+    )
+    rpc.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
+    rpc.add_argument("--port", type=int, default=50052)
+    rpc.add_argument("--device", help="devices to serve, comma-separated (default: all)")
+    rpc.add_argument("--threads", type=int, help="CPU threads for the CPU device")
+    rpc.add_argument("--engine-binary", help="the llama-server whose worker to run")
+    rpc.set_defaults(func=_rpc_worker)
 
     check = sub.add_parser(
         "check-config",

@@ -120,6 +120,9 @@ class ModelConfig:
     embeddings: bool = False
     allow_unsafe_batching: bool = False
     """Operator override: keep configured parallelism even if calibration fails."""
+    rpc: list[str] = field(default_factory=list)
+    """``host:port`` of ``ggml-rpc-server`` workers: the engine starts with ``--rpc`` and
+    its layers spread over them (planned against the memory they report)."""
 
     @property
     def external(self) -> bool:
@@ -342,6 +345,12 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}.url: expected an http:// or https:// URL, got {m.url!r}")
         if not 1 <= m.parallel <= 256:
             raise ConfigError(f"{key}.parallel: expected 1..256, got {m.parallel}")
+        if m.rpc and m.url is not None:
+            raise ConfigError(f"{key}.rpc: an external engine (url) cannot be given RPC workers")
+        for j, endpoint in enumerate(m.rpc):
+            from .engine.rpc import parse_endpoint
+
+            parse_endpoint(endpoint, key=f"{key}.rpc[{j}]")
         if not 64 <= m.ctx_per_slot <= 1 << 20:
             raise ConfigError(f"{key}.ctx_per_slot: expected 64..1048576, got {m.ctx_per_slot}")
         if m.idle_ttl < 0:

@@ -98,6 +98,7 @@ def build_argv(
     n_gpu_layers: int | None = None,
     embeddings: bool = False,
     alias: str | None = None,
+    rpc: Sequence[str] = (),
 ) -> LaunchProfile:
     """The full argv. Raises :class:`ConfigError` if the user's args try to move host or port.
 
@@ -132,6 +133,8 @@ def build_argv(
         argv += ["--n-gpu-layers", str(n_gpu_layers)]
     if embeddings:
         argv += ["--embeddings"]
+    if rpc:
+        argv += ["--rpc", ",".join(rpc)]
     argv += list(host_args)
     argv += list(user_args)
     try:

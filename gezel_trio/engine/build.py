@@ -39,6 +39,7 @@ CMAKE_FLAGS = (
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_CURL=OFF",
+    "-DGGML_RPC=ON",  # llama-server's --rpc, and the RPC worker
     "-DCMAKE_INSTALL_RPATH=$ORIGIN",
     "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
 )
@@ -124,8 +125,26 @@ def build_engine(
         log = tmp / "build.log"
         _run(["cmake", "-S", str(source_dir), "-B", str(build), *CMAKE_FLAGS], log=log)
         _run(["cmake", "--build", str(build), "--target", "llama-server", f"-j{jobs}"], log=log)
+        _build_rpc_worker(build, jobs=jobs, log=log)
         install_build(build / "bin", version=version)
     return built_engine_path(version)
+
+
+# The RPC worker's CMake target: ``rpc-server`` in the llama.cpp tree, ``ggml-rpc-server``
+# where it is built as part of ggml.
+_RPC_TARGETS = ("rpc-server", "ggml-rpc-server")
+
+
+def _build_rpc_worker(build: Path, *, jobs: int, log: Path) -> None:
+    """Build the RPC worker beside llama-server. Not fatal: an engine without its worker
+    still serves every model that has no ``rpc`` workers (a warning says so)."""
+    for target in _RPC_TARGETS:
+        try:
+            _run(["cmake", "--build", str(build), "--target", target, f"-j{jobs}"], log=log)
+        except RuntimeError:  # an unknown target: try the other name
+            continue
+        return
+    print("gezel-trio: the RPC worker (ggml-rpc-server) could not be built", file=sys.stderr)
 
 
 def install_build(bin_dir: Path, *, version: str = SOURCE_VERSION) -> Path:
@@ -141,6 +160,8 @@ def install_build(bin_dir: Path, *, version: str = SOURCE_VERSION) -> Path:
         if f.is_file() and (f.name == "llama-server" or ".so" in f.name):
             # keep the libraries' version symlinks as symlinks
             shutil.copy2(f, staging / f.name, follow_symlinks=False)
+        elif f.is_file() and f.name in _RPC_TARGETS:
+            shutil.copy2(f, staging / "ggml-rpc-server")  # the name the wheel ships it by
     (staging / BUILD_METADATA_FILE).write_text(
         json.dumps(
             {

@@ -233,6 +233,9 @@ class Engine:
         shutting down) sends SIGTERM, for at most ``timing.park_grace`` seconds: the
         host saves the slots it owns. Never before a kill (a crash, failed health)."""
         self.last_before_stop_seconds: float | None = None
+        self.explain_exit: Callable[[], Awaitable[str | None]] | None = None
+        """Asked after the process died on its own: a reason to add to the failure (the
+        host names a lost RPC worker). At most 5 s; the failure is recorded first."""
 
     def __repr__(self) -> str:
         where = self.base_url or "-"
@@ -523,6 +526,20 @@ class Engine:
                 f"engine process exited unexpectedly (code {_describe_code(code)})"
             )
             self._wake_monitor.set()
+            await self._explain_failure()
+
+    async def _explain_failure(self) -> None:
+        """Add what ``explain_exit`` finds (a lost RPC worker) to the recorded failure."""
+        hook = self.explain_exit
+        if hook is None:
+            return
+        with trio.move_on_after(5):
+            why = await hook()
+            if why:
+                self.log.append(f"[gezel] {why}")
+                self.last_crash = f"{why}: {self.last_crash}"
+                if self.state.value is EngineState.FAILED:
+                    self.failure = self.last_crash
 
     async def _pump_log(self, stream: trio.abc.ReceiveStream, done: trio.Event) -> None:
         try:

@@ -32,6 +32,7 @@ from ..config import Config, ModelConfig, load_config
 from ..engine.argv import last_arg_value
 from ..engine.client import EngineClient
 from ..engine.gguf_meta import GGUFError, read_gguf_info
+from ..engine.rpc import unreachable
 from ..engine.supervisor import default_slot_save_dir, no_reservation, open_engine
 from ..errors import ConfigError
 from ..models_dir import models_from_dir
@@ -127,7 +128,9 @@ async def open_model(host: Host, model: ModelConfig) -> ModelRuntime:
         log_lines=config.engine.log_lines,
         reserve=no_reservation
         if model.external
-        else reservation_for(runtime, ledger=host.ledger, device=host.compute_device),
+        else reservation_for(
+            runtime, ledger=host.ledger, device=host.compute_device, resolver=resolver
+        ),
         pid_file=None if model.external else state_dir / "engines" / f"{model.id}.json",
     )
 
@@ -154,12 +157,20 @@ async def open_model(host: Host, model: ModelConfig) -> ModelRuntime:
             host.kv.dirs.setdefault(model.id, home)
         host.arbiter.register_evictor(model.gpu_class, runtime.engine.stop, owner_id=model.id)
         runtime.engine.before_stop = partial(host.park_before_stop, runtime)
+        if model.rpc:
+            runtime.engine.explain_exit = partial(_lost_rpc_workers, runtime)
     host.models[model.id] = runtime
     if host.scheduler is not None:
         host.scheduler.add_lane(runtime)
         if not model.external and host.serving:
             await host.tasks.start(serve_calibration, host.calibrator(), runtime)
     return runtime
+
+
+async def _lost_rpc_workers(runtime: ModelRuntime) -> str | None:
+    """Which of the model's RPC workers stopped answering (why its engine died), if any."""
+    down = await unreachable(runtime.config.rpc)
+    return f"RPC worker {', '.join(down)} is unreachable" if down else None
 
 
 async def retire_model(host: Host, model_id: str) -> None:

@@ -19,6 +19,7 @@ from ..engine.argv import build_argv
 from ..engine.binary import BuildFacts, EngineBinary, read_build_facts, resolve_engine
 from ..engine.gguf_meta import GGUFError, read_gguf_info
 from ..engine.planner import plan_engine
+from ..engine.rpc import worker_devices
 from ..engine.supervisor import SupervisorTiming, default_slot_save_dir
 from ..errors import EngineFailed, EngineNotFound, NoCapacity
 from ..gpu.ledger import CPU_DEVICE, DeviceLedger, denial_message
@@ -105,6 +106,7 @@ def argv_builder(
             user_args=model.args,
             embeddings=model.embeddings,
             alias=model.id,
+            rpc=model.rpc,
         )
         return list(profile.argv), profile.parallel
 
@@ -112,7 +114,11 @@ def argv_builder(
 
 
 def reservation_for(
-    runtime: ModelRuntime, *, ledger: DeviceLedger, device: Callable[[], str]
+    runtime: ModelRuntime,
+    *,
+    ledger: DeviceLedger,
+    device: Callable[[], str],
+    resolver: EngineResolver | None = None,
 ) -> Callable[[], AbstractAsyncContextManager[object]]:
     """Plan the engine against the ledger's free bytes on ``device()`` (the first
     GPU, else RAM) and hold its reservation.
@@ -126,6 +132,10 @@ def reservation_for(
     @asynccontextmanager
     async def reserve() -> AsyncIterator[object]:
         model = runtime.config  # read at each start: a reload may have changed it
+        if model.rpc:
+            async with _rpc_plan(runtime, resolver) as plan:
+                yield plan
+            return
         assert model.path is not None
         if runtime.gguf is None:
             try:
@@ -168,3 +178,48 @@ def reservation_for(
                 runtime.active_plan = None
 
     return reserve
+
+
+@asynccontextmanager
+async def _rpc_plan(
+    runtime: ModelRuntime, resolver: EngineResolver | None
+) -> AsyncIterator[object]:
+    """Plan a model whose layers go to RPC workers against the memory they report (the
+    ledger holds this machine's bytes only: nothing is reserved for the workers').
+    Raises EngineFailed naming a worker that is unreachable or reports no device."""
+    model = runtime.config
+    assert model.path is not None
+    if runtime.gguf is None:
+        try:
+            runtime.gguf = await trio.to_thread.run_sync(read_gguf_info, model.path)
+        except GGUFError as exc:
+            raise EngineFailed(
+                f"engine for model {model.id!r} cannot start: {exc.message}"
+            ) from exc
+    if resolver is None:
+        raise EngineFailed(f"engine for model {model.id!r} cannot start: no llama-server resolves")
+    binary = resolver.get()
+    try:
+        devices = await worker_devices(binary.path, model.rpc, binary.launch_env())
+    except EngineFailed as exc:
+        raise EngineFailed(f"engine for model {model.id!r} cannot start: {exc.message}") from exc
+    budget = sum(d.free_bytes for d in devices)
+    plan = plan_engine(
+        runtime.gguf,
+        budget_bytes=budget,
+        already_reserved_bytes=0,
+        requested_ctx_per_slot=model.ctx_per_slot,
+        requested_parallel=model.parallel,
+        gpu=True,
+    )
+    where = ", ".join(f"{d.endpoint} ({d.free_bytes // 1024**2} MiB free)" for d in devices)
+    runtime.plan = {**plan.as_dict(), "rpc_workers": where}
+    if not plan.fits:
+        raise NoCapacity(
+            f"model {model.id!r} does not fit its RPC workers {where}: " + "; ".join(plan.reasons)
+        )
+    runtime.active_plan = plan
+    try:
+        yield plan
+    finally:
+        runtime.active_plan = None
