@@ -19,6 +19,7 @@ from gezel_trio.engine.rpc import unreachable, worker_binary
 from gezel_trio.engine.supervisor import EngineState
 
 from .conftest import make_config, running
+from .fault_tools import wait_until
 
 PROMPTS = [[10 + i, 20 + i, 30, 40, 50 + 2 * i] for i in range(4)]
 
@@ -104,9 +105,12 @@ async def test_rpc_engine_answers_as_the_local_one_and_names_a_lost_worker(
             assert endpoint in (rt.plan or {}).get("rpc_workers", "")
 
             worker.kill()
-            with trio.fail_after(10):  # the worker's socket closes as the kernel reaps it
-                while await unreachable([endpoint]) != [endpoint]:
-                    await trio.sleep(0.05)
+
+            # the worker's socket closes as the kernel reaps it
+            async def worker_gone() -> bool:
+                return await unreachable([endpoint]) == [endpoint]
+
+            await wait_until(worker_gone, within=10, what="the worker gone")
             body = {"model": "remote", "prompt": PROMPTS[0], "n_predict": 8, "temperature": 0}
             r = await client.post("/completion", json=body)
             assert r.status_code in (502, 503), r.text
