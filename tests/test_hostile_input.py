@@ -782,7 +782,14 @@ async def test_keys_guard_every_endpoint_but_health(state_dir: Path) -> None:
                             method, path, headers={"Authorization": "Bearer wrong"}, **kw
                         )
                         assert bad.status_code == 401, (method, path, bad.status_code)
-                        if path.startswith("/api/"):
+                        if path.startswith("/api/sessions"):
+                            # every key sees (and removes) its own sessions; none yet
+                            user = await client.request(
+                                method, path, headers={"Authorization": "Bearer user-key"}, **kw
+                            )
+                            expected = 200 if method == "GET" else 404
+                            assert user.status_code == expected, (method, path, user.status_code)
+                        elif path.startswith("/api/"):
                             user = await client.request(
                                 method, path, headers={"Authorization": "Bearer user-key"}, **kw
                             )

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -317,11 +317,14 @@ class GpuArbiter:
             return None
         return await self._gate.device_health(max_age)
 
-    async def memory_pressure(self, max_age: float = 1.0) -> MemoryPressure:
-        """The low-free-VRAM release hint (never pressured without a health gate)."""
+    async def memory_pressure(
+        self, max_age: float = 1.0, devices: Collection[int] | None = None
+    ) -> MemoryPressure:
+        """The low-free-VRAM release hint over ``devices`` (NVML indices; None: every GPU);
+        never pressured without a health gate."""
         if self._gate is None:
             return MemoryPressure(False, None, None, "no health gate")
-        return await self._gate.memory_pressure(max_age)
+        return await self._gate.memory_pressure(max_age, devices)
 
     # --- evictors ------------------------------------------------------------------
 
@@ -344,7 +347,7 @@ class GpuArbiter:
 
     # --- admission -----------------------------------------------------------------
 
-    async def acquire(self, slot_class: str) -> None:
+    async def acquire(self, slot_class: str, devices: Collection[int] | None = None) -> None:
         """Make room for ``slot_class`` just before it uses the GPU; hold nothing.
 
         In ``swap``: wait while a lease of another class is held (breaking it
@@ -363,10 +366,12 @@ class GpuArbiter:
                 self._book.dequeue(ticket)
             if proceed and self._policy == "swap":
                 await self._evict_others(slot_class)
-        await self._admit(slot_class)
+        await self._admit(slot_class, devices)
 
     @asynccontextmanager
-    async def lease(self, slot_class: str) -> AsyncIterator[Lease]:
+    async def lease(
+        self, slot_class: str, devices: Collection[int] | None = None
+    ) -> AsyncIterator[Lease]:
         """Protect an in-flight job of ``slot_class`` from eviction for the block.
 
         ``coexist``: pass the health gate and enter at once. ``swap``: wait
@@ -397,7 +402,7 @@ class GpuArbiter:
             if not took:
                 policy = "coexist"  # switched while waiting: nothing to protect against
         if policy == "coexist":
-            await self._admit(slot_class)
+            await self._admit(slot_class, devices)
             shared = slot_class in self._book.counts()
             token = self._book.take(slot_class, trio.current_time(), policy="coexist")
         self._granted += 1
@@ -405,7 +410,7 @@ class GpuArbiter:
         try:
             if policy == "swap":
                 await self._evict_others(slot_class)
-                await self._admit(slot_class)
+                await self._admit(slot_class, devices)
             yield lease
         finally:
             self._release(lease)
@@ -424,9 +429,9 @@ class GpuArbiter:
                 lease.token,
             )
 
-    async def _admit(self, slot_class: str) -> None:
+    async def _admit(self, slot_class: str, devices: Collection[int] | None = None) -> None:
         if self._gate is not None:
-            await self._gate.admit(f"{slot_class} workload")
+            await self._gate.admit(f"{slot_class} workload", devices)
 
     def _wake(self) -> None:
         self._changed.set()

@@ -8,7 +8,7 @@ The policy parts are plain: :class:`ThermalLatch` (hysteresis) and
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,15 +118,24 @@ class MemoryPressure:
     detail: str
 
 
-def memory_pressure_from(health: DeviceHealth | None) -> MemoryPressure:
-    """Pressured when free <= max(1 GiB, 8% of total), summed over every GPU.
+def memory_pressure_from(
+    health: DeviceHealth | None, devices: Collection[int] | None = None
+) -> MemoryPressure:
+    """Pressured when free <= max(1 GiB, 8% of total), summed over every GPU, or over the
+    GPUs ``devices`` names (NVML indices: the ones an engine runs on).
 
     As in the seed, readings with a non-positive total or a negative used value
     are ignored; with no usable readings the answer is "not pressured".
     """
     if health is None:
         return MemoryPressure(False, None, None, "no health gate")
-    usable = [r for r in health.readings if r.memory_total_bytes > 0 and r.memory_used_bytes >= 0]
+    usable = [
+        r
+        for r in health.readings
+        if r.memory_total_bytes > 0
+        and r.memory_used_bytes >= 0
+        and (devices is None or r.index in devices)
+    ]
     if not usable:
         why = health.reason or "no GPU memory readings"
         return MemoryPressure(False, None, None, f"no GPU memory readings ({why})")
@@ -192,6 +201,7 @@ class HealthGate:
         self._probe = probe
         self._policy = policy or DeviceSafetyPolicy()
         self._latch = ThermalLatch()
+        self._latches: dict[int, ThermalLatch] = {}  # per GPU (NVML index)
         self._changed = trio.Event()
         self._waiters: dict[int, HealthWaiter] = {}
         self._next_waiter = 0
@@ -226,42 +236,60 @@ class HealthGate:
         self._last = health
         return health
 
-    async def memory_pressure(self, max_age: float = 1.0) -> MemoryPressure:
+    async def memory_pressure(
+        self, max_age: float = 1.0, devices: Collection[int] | None = None
+    ) -> MemoryPressure:
         """The seed's low-free-VRAM signal (see :func:`memory_pressure_from`)."""
-        return memory_pressure_from(await self.device_health(max_age))
+        return memory_pressure_from(await self.device_health(max_age), devices)
 
-    def _evaluate(self, health: DeviceHealth) -> bool:
-        """True when the caller must wait."""
+    def _evaluate(self, health: DeviceHealth, devices: Collection[int] | None = None) -> bool:
+        """True when the caller must wait: one of ``devices`` (every GPU when None) is hot.
+        Each GPU has its own latch, so a hot GPU holds only the engines that run on it."""
         if not health.available:
             self._latch.update((), self._policy)
+            for latch in self._latches.values():
+                latch.update((), self._policy)
             return False
-        return self._latch.update(health.readings, self._policy)
+        self._latch.update(health.readings, self._policy)  # the hottest, for status
+        hot = False
+        for r in health.readings:
+            latch = self._latches.setdefault(r.index, ThermalLatch())
+            if latch.update((r,), self._policy) and (devices is None or r.index in devices):
+                hot = True
+        return hot
 
-    async def admit(self, what: str) -> None:
-        """Return once the devices are cool enough for ``what`` to run.
+    def _reason(self, devices: Collection[int] | None) -> str:
+        for index, latch in sorted(self._latches.items()):
+            if latch.hot and (devices is None or index in devices):
+                return latch.reason(self._policy)
+        return self._latch.reason(self._policy)
+
+    async def admit(self, what: str, devices: Collection[int] | None = None) -> None:
+        """Return once the GPUs ``what`` runs on (NVML indices; None: every GPU) are cool
+        enough.
 
         Cancellation: the wait ends with ``Cancelled`` and the caller's entry
         leaves ``statistics().waiters``; nothing else is held.
         """
         policy = self._policy
-        if not self._evaluate(await self.device_health(policy.poll_interval)):
+        if not self._evaluate(await self.device_health(policy.poll_interval), devices):
             self._admitted += 1
             return
         key = self._next_waiter
         self._next_waiter += 1
         since = trio.current_time()
-        self._waiters[key] = HealthWaiter(what, since, self._latch.reason(self._policy))
+        self._waiters[key] = HealthWaiter(what, since, self._reason(devices))
         self._waited += 1
-        log.warning("%s waits for the GPU to cool: %s", what, self._latch.reason(self._policy))
+        log.warning("%s waits for the GPU to cool: %s", what, self._reason(devices))
         try:
             while True:
                 changed = self._changed
                 with trio.move_on_after(self._policy.poll_interval):
                     await changed.wait()
                 health = await self.device_health(self._policy.poll_interval / 2)
-                if not self._evaluate(health):
+                if not self._evaluate(health, devices):
                     break
-                self._waiters[key] = HealthWaiter(what, since, self._latch.reason(self._policy))
+                self._waiters[key] = HealthWaiter(what, since, self._reason(devices))
         finally:
             del self._waiters[key]
         log.info("%s admitted after %.1f s thermal wait", what, trio.current_time() - since)

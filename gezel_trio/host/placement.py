@@ -8,7 +8,7 @@ reservation, so an engine's bytes are held exactly while its process lives.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +18,12 @@ from ..config import Config, ModelConfig
 from ..engine.argv import build_argv
 from ..engine.binary import BuildFacts, EngineBinary, read_build_facts, resolve_engine
 from ..engine.gguf_meta import GGUFError, read_gguf_info
-from ..engine.planner import plan_engine
+from ..engine.planner import EnginePlan, plan_engine
 from ..engine.rpc import worker_devices
 from ..engine.supervisor import SupervisorTiming, default_slot_save_dir
 from ..errors import EngineFailed, EngineNotFound, NoCapacity
 from ..gpu.ledger import CPU_DEVICE, DeviceLedger, denial_message
+from ..gpu.placement import Placement, device_flags, place, shares
 from .runtime import ModelRuntime
 
 __all__ = ["EngineResolver", "argv_builder", "engine_timing", "reservation_for"]
@@ -102,7 +103,16 @@ def argv_builder(
             ctx_per_slot=plan.ctx_per_slot if plan else model.ctx_per_slot,
             n_gpu_layers=plan.n_gpu_layers if plan and plan.device == "gpu" else None,
             slot_save_dir=default_slot_save_dir(state_dir, model.id),
-            host_args=config.engine.extra_args,
+            host_args=[
+                *config.engine.extra_args,
+                *(
+                    device_flags(
+                        runtime.placement, resolver.facts.backend if resolver.facts else None
+                    )
+                    if runtime.placement is not None
+                    else ()
+                ),
+            ],
             user_args=model.args,
             embeddings=model.embeddings,
             alias=model.id,
@@ -146,36 +156,58 @@ def reservation_for(
                 ) from exc
         info = runtime.gguf
         device_id = device()
-        budget = ledger.capacities.get(device_id, 0)
         snapshot = await ledger.snapshot()
-        usage = snapshot.devices.get(device_id)
-        others = [h for h in (usage.holders if usage else ()) if h.owner != model.id]
-        reserved = sum(h.nbytes for h in others)
-        plan = plan_engine(
-            info,
-            budget_bytes=budget,
-            already_reserved_bytes=reserved,
-            requested_ctx_per_slot=model.ctx_per_slot,
-            requested_parallel=model.parallel,
-            gpu=device_id != CPU_DEVICE,
-        )
-        runtime.plan = plan.as_dict()
+
+        def free_on(dev: str) -> tuple[int, list[Any]]:
+            usage = snapshot.devices.get(dev)
+            others = [h for h in (usage.holders if usage else ()) if h.owner != model.id]
+            return ledger.capacities.get(dev, 0) - sum(h.nbytes for h in others), others
+
+        def plan_for(budget: int, *, gpu: bool = True) -> EnginePlan:
+            return plan_engine(
+                info,
+                budget_bytes=budget,
+                already_reserved_bytes=0,
+                requested_ctx_per_slot=model.ctx_per_slot,
+                requested_parallel=model.parallel,
+                gpu=gpu,
+            )
+
+        gpus = [d for d in ledger.capacities if d != CPU_DEVICE] if device_id != CPU_DEVICE else []
+        placement = place({d: free_on(d)[0] for d in gpus}, plan_for) if len(gpus) > 1 else None
+        if placement is None:
+            free = free_on(device_id)[0]
+            plan = plan_for(free, gpu=device_id != CPU_DEVICE)
+            placement = Placement(plan, (device_id,))
+        plan = placement.plan
+        runtime.plan = {
+            **plan.as_dict(),
+            "devices": list(placement.devices),
+            "tensor_split": list(placement.split) if placement.split else None,
+        }
         if not plan.fits:
+            roomiest = placement.devices[0]
             who = denial_message(
-                device=device_id,
+                device=roomiest,
                 nbytes=plan.total_bytes,
                 owner=model.id,
                 model=model.id,
-                capacity=budget,
-                holders=others,
+                capacity=ledger.capacities.get(roomiest, 0),
+                holders=free_on(roomiest)[1],
             )
             raise NoCapacity(f"{who}. Plan: " + "; ".join(plan.reasons))
-        async with ledger.reservation(device_id, plan.total_bytes, owner=model.id, model=model.id):
+        async with AsyncExitStack() as held:
+            for dev, nbytes in shares(placement).items():
+                await held.enter_async_context(
+                    ledger.reservation(dev, nbytes, owner=model.id, model=model.id)
+                )
             runtime.active_plan = plan
+            runtime.placement = placement if len(placement.devices) > 1 or len(gpus) > 1 else None
             try:
                 yield plan
             finally:
                 runtime.active_plan = None
+                runtime.placement = None
 
     return reserve
 

@@ -27,6 +27,7 @@ from ..engine.planner import EnginePlan
 from ..engine.supervisor import Engine, EngineState, EngineStats
 from ..errors import EngineFailed, FieldError, GezelError
 from ..gpu.arbiter import GpuArbiter
+from ..gpu.placement import Placement
 from ..kvstore import KvCompat, KvEntry, KvModelStats, KvStore, file_identity
 from ..scheduler.policy import SlotMeasurement
 from .calibration import CalibrationState
@@ -55,6 +56,8 @@ class ModelRuntime:
     """The last memory plan, and its reasons, for status."""
     active_plan: EnginePlan | None = None
     """The plan of the engine process running now (inside its reservation)."""
+    placement: Placement[EnginePlan] | None = None
+    """Its GPUs, on a machine with several (None: one GPU, or the CPU)."""
     calibration: CalibrationState = field(default_factory=CalibrationState)
     kv: KvStore | None = None
     """The host's parked-KV store (None: parking off)."""
@@ -128,6 +131,16 @@ class ModelRuntime:
     def ready(self) -> bool:
         return self.engine.state.value is EngineState.READY and self.engine.base_url is not None
 
+    @property
+    def gpu_indices(self) -> tuple[int, ...] | None:
+        """The NVML indices of the GPUs this model's engine runs on, on a machine with
+        several (None: any GPU, as on a machine with one)."""
+        if self.placement is None:
+            return None
+        return tuple(
+            int(d.partition(":")[2]) for d in self.placement.devices if d.startswith("gpu:")
+        )
+
     def hold(self) -> AbstractContextManager[None]:
         return self.engine.in_use()
 
@@ -140,7 +153,7 @@ class ModelRuntime:
             yield None
             return
         t0 = time.perf_counter()
-        async with self.arbiter.lease(self.config.gpu_class) as lease:
+        async with self.arbiter.lease(self.config.gpu_class, self.gpu_indices) as lease:
             if self.metrics is not None:
                 self.metrics.lease_wait(time.perf_counter() - t0)
             yield lease
@@ -152,7 +165,7 @@ class ModelRuntime:
         Cancelling abandons the wait; an engine start under way goes on.
         """
         if self.arbiter is not None:
-            await self.arbiter.acquire(self.config.gpu_class)
+            await self.arbiter.acquire(self.config.gpu_class, self.gpu_indices)
         await self.engine.ensure_ready()
         if self.engine.crashes > self._crashes_seen:
             # READY again after a crash, failed start or dead health check: a restart

@@ -23,7 +23,8 @@ async def serve_memory_pressure(
     on_release: Callable[[ModelRuntime], None],
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Release idle engines while VRAM is pressured (the seed's rule).
+    """Release idle engines while VRAM is pressured (the seed's rule), judged over the GPUs
+    each engine runs on (every GPU on a machine with one).
 
     Active inference always finishes (a running request holds its engine); an
     engine idle for ``grace`` seconds is stopped, and restarts lazily on its
@@ -32,12 +33,13 @@ async def serve_memory_pressure(
     task_status.started()
     while True:
         await trio.sleep(min(5.0, max(0.5, grace / 4)))
-        pressure = await arbiter.memory_pressure(max_age=1.0)
-        if not pressure.pressured:
-            continue
-        for rt in models.values():
+        for rt in list(models.values()):
             engine = rt.engine
             if rt.config.external or not rt.ready:
+                continue
+            # the GPUs this engine is on (every GPU on a machine with one)
+            pressure = await arbiter.memory_pressure(max_age=1.0, devices=rt.gpu_indices)
+            if not pressure.pressured:
                 continue
             if engine.busy == 0 and engine.idle_for() >= grace:
                 log.warning(
