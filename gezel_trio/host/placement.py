@@ -163,11 +163,11 @@ def reservation_for(
             others = [h for h in (usage.holders if usage else ()) if h.owner != model.id]
             return ledger.capacities.get(dev, 0) - sum(h.nbytes for h in others), others
 
-        def plan_for(budget: int, *, gpu: bool = True) -> EnginePlan:
+        def plan_for(budget: int, *, reserved: int = 0, gpu: bool = True) -> EnginePlan:
             return plan_engine(
                 info,
                 budget_bytes=budget,
-                already_reserved_bytes=0,
+                already_reserved_bytes=reserved,
                 requested_ctx_per_slot=model.ctx_per_slot,
                 requested_parallel=model.parallel,
                 gpu=gpu,
@@ -176,8 +176,9 @@ def reservation_for(
         gpus = [d for d in ledger.capacities if d != CPU_DEVICE] if device_id != CPU_DEVICE else []
         placement = place({d: free_on(d)[0] for d in gpus}, plan_for) if len(gpus) > 1 else None
         if placement is None:
+            capacity = ledger.capacities.get(device_id, 0)
             free = free_on(device_id)[0]
-            plan = plan_for(free, gpu=device_id != CPU_DEVICE)
+            plan = plan_for(capacity, reserved=capacity - free, gpu=device_id != CPU_DEVICE)
             placement = Placement(plan, (device_id,))
         plan = placement.plan
         runtime.plan = {
