@@ -720,15 +720,21 @@ def test_two_models_swap_with_the_engine_args(tmp_path: Path) -> None:
         model_path=model,
         workdir=tmp_path,
         models=2,
-        engine_args=("--cache-ram", "48"),
+        engine_args=("--cache-ram", "48", "--threads", "2"),
     )
     engine = EngineCommand(Path("/bin/llama-server"), {})
     data = tomllib.loads(gezel_config_toml(settings=settings, engine=engine, port=1, affinity=True))
     assert data["gpu"] == {"policy": "swap"}
     assert [m["id"] for m in data["models"]] == ["small-a", "small-b"]
-    assert all(m["args"] == ["--cache-ram", "48"] for m in data["models"])
-    assert direct_argv(engine, settings, 2)[-2:] == ["--cache-ram", "48"]
-    assert router_argv(engine, settings, 3, tmp_path)[-2:] == ["--cache-ram", "48"]
+    # the host owns --cache-ram (it keeps llama-server's cross-session RAM cache off)
+    assert all(m["args"] == ["--threads", "2"] for m in data["models"])
+    assert direct_argv(engine, settings, 2)[-4:] == ["--cache-ram", "48", "--threads", "2"]
+    assert router_argv(engine, settings, 3, tmp_path)[-4:] == [
+        "--cache-ram",
+        "48",
+        "--threads",
+        "2",
+    ]
 
 
 def test_launch_argv_keep_the_engine_defaults(tmp_path: Path) -> None:

@@ -32,11 +32,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 from gezel_trio.config import ModelConfig
+from gezel_trio.engine.argv import build_argv
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.supervisor import free_port
+from gezel_trio.errors import ConfigError
 
 from ._engine_bin import ENGINE_LIMITS
 from .conftest import make_config, running
@@ -254,3 +257,57 @@ async def test_no_conversation_sees_another_ones_state(
     forged = {**through_host.answers[key], "timings": {"cache_n": work.cache_bound(key) + 1}}
     control.judge(work, key, forged)
     assert len(control.foreign_cache) >= 1
+
+
+async def test_the_engines_ram_prompt_cache_cannot_hand_a_session_anothers_kv(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    """llama-server's RAM prompt cache (``--cache-ram``, on by default) is one cache for
+    every session: once a slot moved on to another prompt (or was erased), a prompt that
+    shares a prefix with the old one gets that KV back from RAM. Measured here on a plain
+    llama-server, then through the host, which keeps that cache off (and refuses a
+    ``--cache-ram`` in a model's args)."""
+    shared = [300 + (i * 7) % 200 for i in range(200)]
+    first = [*shared, *[500 + i % 50 for i in range(100)]]
+    second = [*shared, *[600 + i % 40 for i in range(100)]]
+
+    def body(prompt: list[int], **extra: object) -> dict[str, object]:
+        return {"prompt": prompt, "n_predict": 2, "temperature": 0, "cache_prompt": True, **extra}
+
+    async with (
+        open_llama_server(engine_binary, tiny_model, parallel=1, ctx=2048) as plain,
+        httpx.AsyncClient(base_url=plain, limits=ENGINE_LIMITS, timeout=60) as direct,
+    ):
+        await direct.post("/completion", json=body(first, id_slot=0))
+        # another prompt takes the slot (nothing in common: the slot no longer holds it)
+        await direct.post("/completion", json=body([7, 8, 9, 10], id_slot=0))
+        r = await direct.post("/completion", json=body(second, id_slot=0))
+        leaked = int(r.json()["timings"]["cache_n"])
+    # the engine's truth on this build (it holds with the RAM cache on by default)
+    print(f"plain llama-server: {leaked} tokens of an earlier prompt came back from its RAM cache")
+
+    cfg = make_config(
+        [ModelConfig(id="tiny", path=str(tiny_model), parallel=1, ctx_per_slot=2048)],
+        state_dir=state_dir,
+        engine_binary=engine_binary,
+    )
+    async with running(cfg) as (host, client):
+        r = await client.post("/completion", json=body(first, model="tiny", prompt_cache_key="a"))
+        assert r.status_code == 200
+        argv = host.models["tiny"].engine.argv
+        assert argv[argv.index("--cache-ram") + 1] == "0"
+        await client.post("/completion", json=body([7, 8, 9, 10], model="tiny"))  # keyless
+        r = await client.post("/completion", json=body(second, model="tiny", prompt_cache_key="b"))
+        assert r.status_code == 200
+        assert int(r.json()["timings"]["cache_n"]) == 0  # whatever the plain engine gave
+    # and a model cannot turn that cache back on
+    with pytest.raises(ConfigError, match="--cache-ram is chosen by the host"):
+        build_argv(
+            binary=Path("llama-server"),
+            model_path=str(tiny_model),
+            port=1,
+            parallel=1,
+            ctx_per_slot=2048,
+            slot_save_dir=state_dir,
+            user_args=["--cache-ram", "48"],
+        )

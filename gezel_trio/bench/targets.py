@@ -214,7 +214,7 @@ def gezel_config_toml(
     ]
     if settings.models > 1:
         lines += ["[gpu]", 'policy = "swap"', ""]
-    args = ", ".join(_toml_str(a) for a in settings.engine_args)
+    args = ", ".join(_toml_str(a) for a in gezel_engine_args(settings.engine_args))
     for model_id in settings.model_ids:
         lines += [
             "[[models]]",
@@ -232,6 +232,25 @@ def gezel_config_toml(
         "",
     ]
     return "\n".join(lines)
+
+
+def gezel_engine_args(args: Sequence[str]) -> list[str]:
+    """The engine flags a gezel target passes on: all but ``--cache-ram N``, which the host
+    owns (it keeps llama-server's RAM prompt cache off: that cache is shared across
+    sessions; the host's own KV store takes its place)."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+            continue
+        if arg in ("--cache-ram", "-cram"):
+            skip = True
+            continue
+        if arg.startswith("--cache-ram="):
+            continue
+        out.append(arg)
+    return out
 
 
 def gezel_serve_argv(config_path: Path) -> list[str]:

@@ -15,6 +15,11 @@ from ..errors import ConfigError
 
 # Flags the host must own: it connects to the engine on this host and port.
 _RESERVED = {"--host": "host", "--port": "port"}
+# llama-server's RAM prompt cache is one cache for every session of the engine: a request
+# whose prompt shares a prefix with another session's cached prompt is given that KV,
+# even on a slot the host has just erased (measured: 600 of 600 shared tokens came back
+# after an erase). The host turns it off and parks each session's KV in its own store.
+_CACHE_RAM = ("--cache-ram", "-cram")
 _ALIASES: dict[str, tuple[str, ...]] = {
     "--parallel": ("--parallel", "-np"),
     "--ctx-size": ("--ctx-size", "-c"),
@@ -110,6 +115,15 @@ def build_argv(
                 f"models.args: {flag} is chosen by the host (it needs to know the {what}); "
                 "remove it"
             )
+    for where, args in (("models.args", user_args), ("engine.extra_args", host_args)):
+        if any(a in _CACHE_RAM or a.startswith("--cache-ram=") for a in args):
+            raise ConfigError(
+                f"{where}: --cache-ram is chosen by the host. llama-server's RAM prompt cache "
+                "is shared by every session of an engine and hands one session's KV to "
+                "another whose prompt shares a prefix, even after an erase; the host keeps it "
+                "off and parks each session's KV in its own store instead. Remove it (size "
+                "that store with [scheduler] kv_store_bytes)"
+            )
     argv: list[str] = [
         str(binary),
         "--model",
@@ -126,6 +140,8 @@ def build_argv(
         str(slot_save_dir),
         "--metrics",
         "--no-webui",
+        "--cache-ram",
+        "0",
     ]
     if alias is not None:
         argv += ["--alias", alias]
