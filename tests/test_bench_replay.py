@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import sys
 import tomllib
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
@@ -835,3 +836,23 @@ async def test_smoke_replay_through_gezel(
     assert m["cross_session_reuse"] == 0
     assert result.config["vocab_hi"] == 676  # n_vocab from the host's /v1/models
     assert m["cache_hit_ratio"] > 0  # sessions reuse their own prefixes through the host
+
+
+def test_run_all_runs_every_benchmark_script() -> None:
+    """``tox -e bench`` (benchmarks/run_all.py) must not forget a benchmark."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parent.parent / "benchmarks"
+    spec = importlib.util.spec_from_file_location("run_all", root / "run_all.py")
+    assert spec is not None and spec.loader is not None
+    run_all = importlib.util.module_from_spec(spec)
+    sys.modules["run_all"] = run_all  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(run_all)
+    finally:
+        del sys.modules["run_all"]
+    scripts = {p.stem for p in root.glob("*.py") if not p.stem.startswith("_")} - {"run_all"}
+    modules = {b.full[1].removeprefix("benchmarks.") for b in run_all.BENCHES if b.full[0] == "-m"}
+    assert scripts <= modules, scripts - modules
+    for entry in run_all.BENCHES:  # each has a smoke form for --quick
+        assert entry.quick and entry.full

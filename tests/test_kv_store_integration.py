@@ -402,3 +402,25 @@ async def test_a_crash_loses_only_what_was_not_parked(
             history = [*REF, *MORE]
             assert await _cached(client, history, "ref") == len(history) - 1  # parked before
             assert expected >= len(REF) - 1
+
+
+async def test_a_models_own_slot_save_path_is_honoured_by_its_last_occurrence(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary, tmp_path: Path
+) -> None:
+    first, last = tmp_path / "ignored", tmp_path / "mine"
+    first.mkdir()  # llama-server checks every occurrence is a directory, and uses the last
+    cfg = _config(
+        tiny_model,
+        state_dir,
+        engine_binary,
+        args=["--slot-save-path", str(first), "--slot-save-path", str(last)],
+    )
+    with trio.fail_after(120):
+        async with running(cfg) as (host, client):
+            await _reference(client)
+            assert await _cached(client, PROMPT, "A") == 0  # parks "ref"
+            kv = host.kv
+            assert kv is not None and kv.dirs["tiny"] == last
+            files = sorted(p.name for p in last.iterdir())
+            assert files == [e.file for e in kv.sessions()] and len(files) == 1
+            assert not any(first.iterdir())

@@ -156,3 +156,28 @@ def test_sighup_reloads_a_running_host(
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_plan_reload_compares_by_id_and_settings() -> None:
+    from gezel_trio.config import ModelConfig
+    from gezel_trio.host.catalog import plan_reload
+
+    current = {
+        "a": ModelConfig(id="a", path="/m/a.gguf"),
+        "b": ModelConfig(id="b", path="/m/b.gguf"),
+        "c": ModelConfig(id="c", path="/m/c.gguf"),
+        "d": ModelConfig(id="d", path="/m/d.gguf"),
+    }
+    wanted = [
+        ModelConfig(id="a", path="/m/a.gguf"),  # the same
+        ModelConfig(id="b", path="/m/b.gguf", parallel=4),  # changed
+        ModelConfig(id="d", url="http://10.0.0.5:8080"),  # a file became a URL
+        ModelConfig(id="e", path="/m/e.gguf"),  # new
+    ]
+    plan = plan_reload(current, wanted)
+    assert plan.as_dict() == {
+        "added": ["d", "e"],
+        "removed": ["c", "d"],
+        "changed": ["b"],
+        "unchanged": ["a"],
+    }

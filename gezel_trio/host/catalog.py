@@ -221,11 +221,13 @@ async def apply_models(host: Host, wanted: Sequence[ModelConfig]) -> ReloadPlan:
     """Make the served models ``wanted``: open the added ones now; retire the removed
     and reconfigure the changed ones in the background (they wait for running work)."""
     plan = plan_reload({mid: rt.config for mid, rt in host.models.items()}, wanted)
+    kind_changed = {m.id for m in plan.added} & set(plan.removed)
     for model_id in plan.removed:
-        host.tasks.start_soon(retire_model, host, model_id)
+        if model_id not in kind_changed:
+            host.tasks.start_soon(retire_model, host, model_id)
     for model in plan.added:
-        if model.id in plan.removed:
-            await retire_model(host, model.id)  # a kind change: the old one must go first
+        if model.id in kind_changed:
+            await retire_model(host, model.id)  # the old one drains before the new one opens
         await open_model(host, model)
     for model in plan.changed:
         host.tasks.start_soon(reconfigure_model, host, model)

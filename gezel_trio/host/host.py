@@ -75,6 +75,7 @@ class Host:
         health_gate: HealthGate,
         ledger: DeviceLedger,
         sessions: SessionKeys,
+        transport: httpx.AsyncBaseTransport,
     ) -> None:
         self.config = config
         self.http = http
@@ -98,7 +99,7 @@ class Host:
         self.last_device_health: dict[str, Any] | None = None
         self.kv: KvStore | None = None
         """The parked-KV store (None with ``kv_parking`` off)."""
-        self.transport: httpx.AsyncBaseTransport = http._transport
+        self.transport = transport
         """The connection pool every engine call goes through."""
         self.engines: trio.Nursery = _unset_nursery()
         """Where each model's engine lives (see :mod:`.catalog`); closed last."""
@@ -349,8 +350,8 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
             health_gate=gate,
             ledger=ledger,
             sessions=sessions,
+            transport=transport,
         )
-        host.transport = transport
         host.engines = engines
         host.last_device_health = health.as_dict()
         await resolver.load_facts()
