@@ -8,8 +8,11 @@ with the resolver's message (they are never skipped): run
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import httpx
@@ -110,3 +113,32 @@ def pids_alive(pids: list[int]) -> list[int]:
             continue
         alive.append(pid)
     return alive
+
+
+@contextmanager
+def host_process(config: Path, port: int) -> Iterator[subprocess.Popen[bytes]]:
+    """``gezel-trio serve --config CONFIG`` as a user runs it, in its own process, logging
+    beside the config; yields once ``/health`` on ``port`` answers. Always stopped."""
+    log_path = config.with_suffix(".log")
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gezel_trio.cli", "serve", "--config", str(config)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[
+                    -2000:
+                ]
+                time.sleep(0.05)
+            yield proc
+        finally:
+            proc.terminate()
+            proc.wait(30)

@@ -17,6 +17,8 @@ import pytest
 
 from gezel_trio.engine.binary import EngineBinary
 
+from .conftest import host_process
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -33,30 +35,8 @@ def host_url(tmp_path: Path, tiny_model: Path, engine_binary: EngineBinary) -> I
         f'[engine]\nstate_dir = "{tmp_path / "state"}"\nbinary = "{engine_binary.path}"\n'
         f'[[models]]\nid = "tiny"\npath = "{tiny_model}"\nparallel = 2\nctx_per_slot = 512\n'
     )
-    log = open(tmp_path / "host.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gezel_trio.cli", "serve", "--config", str(cfg)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, (
-                tmp_path / "host.log"
-            ).read_text()[-2000:]
-            time.sleep(0.05)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
+    with host_process(cfg, port):
+        yield f"http://127.0.0.1:{port}"
 
 
 def _cli(

@@ -3,10 +3,7 @@ streams are in flight; none is cut, and an invalid file changes nothing."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +15,7 @@ from gezel_trio.config import load_config
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.supervisor import EngineState
 
-from .conftest import running
+from .conftest import host_process, running
 
 
 def _toml(tmp_path: Path, engine_binary: EngineBinary, models: dict[str, dict[str, Any]]) -> str:
@@ -125,23 +122,8 @@ def test_sighup_reloads_a_running_host(
     path.write_text(
         _toml(tmp_path, engine_binary, {"a": one}).replace("port = 0", f"port = {port}")
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gezel_trio.cli", "serve", "--config", str(path)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=dict(os.environ),
-    )
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
+    with host_process(path, port) as proc:
         text = _toml(tmp_path, engine_binary, {"a": one, "z": one})
         path.write_text(text.replace("port = 0", f"port = {port}"))
         proc.send_signal(signal.SIGHUP)
@@ -153,9 +135,6 @@ def test_sighup_reloads_a_running_host(
             assert time.monotonic() < deadline, ids
             time.sleep(0.1)
         assert proc.poll() is None  # a reload, not a shutdown
-    finally:
-        proc.terminate()
-        proc.wait(30)
 
 
 def test_plan_reload_compares_by_id_and_settings() -> None:

@@ -17,7 +17,7 @@ import trio
 from ..config import Config, ModelConfig
 from ..engine.argv import build_argv
 from ..engine.binary import BuildFacts, EngineBinary, read_build_facts, resolve_engine
-from ..engine.gguf_meta import GGUFError, read_gguf_info
+from ..engine.gguf_meta import GGUFError, GGUFInfo, read_gguf_info
 from ..engine.planner import EnginePlan, plan_engine
 from ..engine.rpc import worker_devices
 from ..engine.supervisor import SupervisorTiming, default_slot_save_dir
@@ -146,15 +146,7 @@ def reservation_for(
             async with _rpc_plan(runtime, resolver) as plan:
                 yield plan
             return
-        assert model.path is not None
-        if runtime.gguf is None:
-            try:
-                runtime.gguf = await trio.to_thread.run_sync(read_gguf_info, model.path)
-            except GGUFError as exc:
-                raise EngineFailed(
-                    f"engine for model {model.id!r} cannot start: {exc.message}"
-                ) from exc
-        info = runtime.gguf
+        info = await _model_info(runtime)
         device_id = device()
         snapshot = await ledger.snapshot()
 
@@ -213,13 +205,8 @@ def reservation_for(
     return reserve
 
 
-@asynccontextmanager
-async def _rpc_plan(
-    runtime: ModelRuntime, resolver: EngineResolver | None
-) -> AsyncIterator[object]:
-    """Plan a model whose layers go to RPC workers against the memory they report (the
-    ledger holds this machine's bytes only: nothing is reserved for the workers').
-    Raises EngineFailed naming a worker that is unreachable or reports no device."""
+async def _model_info(runtime: ModelRuntime) -> GGUFInfo:
+    """The model file's metadata (read once, in a thread). EngineFailed when unreadable."""
     model = runtime.config
     assert model.path is not None
     if runtime.gguf is None:
@@ -229,6 +216,18 @@ async def _rpc_plan(
             raise EngineFailed(
                 f"engine for model {model.id!r} cannot start: {exc.message}"
             ) from exc
+    return runtime.gguf
+
+
+@asynccontextmanager
+async def _rpc_plan(
+    runtime: ModelRuntime, resolver: EngineResolver | None
+) -> AsyncIterator[object]:
+    """Plan a model whose layers go to RPC workers against the memory they report (the
+    ledger holds this machine's bytes only: nothing is reserved for the workers').
+    Raises EngineFailed naming a worker that is unreachable or reports no device."""
+    model = runtime.config
+    info = await _model_info(runtime)
     if resolver is None:
         raise EngineFailed(f"engine for model {model.id!r} cannot start: no llama-server resolves")
     binary = resolver.get()
@@ -238,7 +237,7 @@ async def _rpc_plan(
         raise EngineFailed(f"engine for model {model.id!r} cannot start: {exc.message}") from exc
     budget = sum(d.free_bytes for d in devices)
     plan = plan_engine(
-        runtime.gguf,
+        info,
         budget_bytes=budget,
         already_reserved_bytes=0,
         requested_ctx_per_slot=model.ctx_per_slot,
