@@ -18,7 +18,9 @@ import httpx
 from gezel_trio.bench.metrics import percentile
 from gezel_trio.engine.supervisor import free_port
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(os.environ.get("GEZEL_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
+"""Where figures are written: ``benchmarks/results``, or ``$GEZEL_BENCH_RESULTS`` (``run_all
+--quick`` points it elsewhere, so smoke runs never overwrite the recorded figures)."""
 
 __all__ = ["free_port", "host_process", "median", "pct", "write_result"]
 

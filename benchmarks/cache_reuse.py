@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 from gezel_trio.engine.demo_model import write_demo_model
 
-OUT = Path("benchmarks/results/cache-reuse")
+OUT = Path(os.environ.get("GEZEL_BENCH_RESULTS") or "benchmarks/results") / "cache-reuse"
 
 
 def write_trace(path: Path, *, sessions: int, turns: int, growth: int, block: int) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import sys
 import time
@@ -63,7 +64,7 @@ from gezel_trio.scheduler.policy import (  # noqa: E402
     SchedulerPolicy,
 )
 
-RESULTS = ROOT / "results"
+RESULTS = Path(os.environ.get("GEZEL_BENCH_RESULTS") or ROOT / "results")
 SESSIONS_PER_MODEL = 50  # keyed chats per model; every 5th job is keyless
 
 

@@ -5,7 +5,9 @@
 Each benchmark runs as its own process (``python -m benchmarks.<name> ...``) from the
 repository root, so one that fails or hangs does not take the others with it; each writes
 its own figures under ``benchmarks/results/``. ``--quick`` runs each in its smoke form
-(minutes in all instead of about an hour: the soak alone is 30 minutes). The trace replay
+(minutes in all instead of about an hour: the soak alone is 30 minutes), and writes under
+``benchmarks/results/quick/`` so that a smoke run never overwrites the recorded figures. The
+trace replay
 (``gezel-trio bench`` on the Weka traces) runs when ``../shared/traces/weka`` exists.
 
 Writes ``benchmarks/results/run_all.json``: per benchmark its command, exit status,
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -43,6 +46,8 @@ def _module(name: str, *args: str) -> tuple[str, ...]:
 
 
 def _replay(out: str, *args: str) -> tuple[str, ...]:
+    """A trace replay writing its report to ``<results>/<out>`` (``RESULTS`` is replaced
+    by the quick folder in ``--quick`` runs)."""
     return (
         "-m",
         "gezel_trio.cli",
@@ -70,6 +75,10 @@ def _replay(out: str, *args: str) -> tuple[str, ...]:
         str(RESULTS / out),
         *args,
     )
+
+
+QUICK_RESULTS = RESULTS / "quick"
+"""Where ``--quick`` runs write (``GEZEL_BENCH_RESULTS``): never over the recorded figures."""
 
 
 BENCHES = (
@@ -143,9 +152,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if bench.name.startswith("replay"):
             argv_ += ["--model", str(_demo_small())]
+        if args.quick:
+            argv_ = [a.replace(str(RESULTS), str(QUICK_RESULTS)) for a in argv_]
         print(f"== {bench.name}: {' '.join(argv_[1:])}", flush=True)
         t0 = time.monotonic()
-        proc = subprocess.run(argv_, cwd=ROOT, capture_output=True, text=True)
+        env = dict(os.environ, GEZEL_BENCH_RESULTS=str(QUICK_RESULTS)) if args.quick else None
+        proc = subprocess.run(argv_, cwd=ROOT, capture_output=True, text=True, env=env)
         seconds = round(time.monotonic() - t0, 1)
         output = (proc.stdout + proc.stderr).strip().splitlines()
         for line in output[-15:]:
@@ -161,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                 "tail": output[-40:],
             }
         )
-    path = RESULTS / ("run_all_quick.json" if args.quick else "run_all.json")
+    path = (QUICK_RESULTS if args.quick else RESULTS) / "run_all.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"quick": args.quick, "benchmarks": report}, indent=2) + "\n")
     failed = [r["name"] for r in report if r["status"] not in ("ok", "skipped")]
     print(f"wrote {path}; " + (f"failed: {', '.join(map(str, failed))}" if failed else "all ok"))

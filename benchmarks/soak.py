@@ -94,7 +94,7 @@ from typing import Any
 import httpx
 import trio
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from ._harness import RESULTS
 
 API_KEYS = ("sk-soak-a", "sk-soak-b")
 ADMIN_KEY = "sk-soak-admin"

@@ -64,6 +64,7 @@ class ModelRuntime:
     build: str = "unknown-build"
     """The engine build's fingerprint (part of a parked file's compatibility)."""
     _ineffective_streak: int = 0
+    _compat: tuple[tuple[int, tuple[str, ...]], KvCompat] | None = None
     retired: trio.Event = field(default_factory=trio.Event)
     """Set when the model is taken out of service: its engine's task then ends."""
     metrics: Metrics | None = None
@@ -216,12 +217,19 @@ class ModelRuntime:
         return self.kv.model_stats(self.id)
 
     def kv_compat(self) -> KvCompat:
-        """What a parked file of this model must match to load into the engine now."""
-        return KvCompat(
-            model_file=file_identity(self.config.path or ""),
-            build=self.build,
-            kv_flags=kv_shape_flags(self.engine.argv),
-        )
+        """What a parked file of this model must match to load into the engine now. Read
+        once per engine process (a stat of the model file and a parse of its argv): the
+        request path asks for it on every keyed handoff."""
+        key = (self.engine.generation, self.engine.argv)
+        cached = self._compat
+        if cached is None or cached[0] != key:
+            compat = KvCompat(
+                model_file=file_identity(self.config.path or ""),
+                build=self.build,
+                kv_flags=kv_shape_flags(self.engine.argv),
+            )
+            self._compat = cached = (key, compat)
+        return cached[1]
 
     def _ctx_per_slot(self) -> int | None:
         argv = self.engine.argv
