@@ -10,7 +10,7 @@ from typing import Any
 
 import trio
 
-from gezel_trio.config import ModelConfig
+from gezel_trio.config import Config, ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 
 from .conftest import make_config, running
@@ -24,15 +24,22 @@ LONG = {
 }
 
 
-async def test_a_queued_stream_gets_keepalives_then_its_answer(
-    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
-) -> None:
-    cfg = make_config(
+def _one_slot(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary, **sections: dict[str, object]
+) -> Config:
+    """The tiny model on one slot: a second request has to wait for the first."""
+    return make_config(
         [ModelConfig(id="tiny", path=str(tiny_model), parallel=1, ctx_per_slot=1024)],
         state_dir=state_dir,
         engine_binary=engine_binary,
-        server={"sse_keepalive_interval": 0.2},
+        **sections,
     )
+
+
+async def test_a_queued_stream_gets_keepalives_then_its_answer(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    cfg = _one_slot(tiny_model, state_dir, engine_binary, server={"sse_keepalive_interval": 0.2})
     with trio.fail_after(120):
         async with running(cfg) as (_host, client):
             r = await client.post("/v1/completions", json={**LONG, "max_tokens": 2})
@@ -77,11 +84,7 @@ async def test_a_queued_stream_gets_keepalives_then_its_answer(
 async def test_an_answer_that_comes_at_once_has_the_header_and_no_comment(
     tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
 ) -> None:
-    cfg = make_config(
-        [ModelConfig(id="tiny", path=str(tiny_model), parallel=1, ctx_per_slot=1024)],
-        state_dir=state_dir,
-        engine_binary=engine_binary,
-    )
+    cfg = _one_slot(tiny_model, state_dir, engine_binary)
     with trio.fail_after(120):
         async with running(cfg) as (_host, client):
             await client.post("/v1/completions", json={**LONG, "max_tokens": 1})  # loaded
