@@ -99,7 +99,8 @@ def plan_reload(current: Mapping[str, ModelConfig], wanted: Sequence[ModelConfig
 async def open_model(host: Host, model: ModelConfig) -> ModelRuntime:
     """Open ``model``'s engine in the host's engine nursery and register it everywhere
     (scheduler lane, evictor, planned-stop hook, calibration) once the host serves.
-    Cancellation while it opens leaves nothing registered."""
+    Cancellation before the engine task started leaves nothing behind; after, the model
+    is listed (and shut down with the host)."""
     if model.id in host.models:
         raise ConfigError(f"models: {model.id!r} is already served")
     config = host.config
@@ -134,6 +135,11 @@ async def open_model(host: Host, model: ModelConfig) -> ModelRuntime:
         pid_file=None if model.external else state_dir / "engines" / f"{model.id}.json",
     )
 
+    if not model.external:
+        assert model.path is not None
+        with contextlib.suppress(GGUFError):  # an unreadable file fails at engine start
+            runtime.gguf = await trio.to_thread.run_sync(read_gguf_info, model.path)
+
     async def run_engine(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with engine_cm as engine:
             runtime.engine = engine
@@ -141,6 +147,22 @@ async def open_model(host: Host, model: ModelConfig) -> ModelRuntime:
             await runtime.retired.wait()
 
     await host.engines.start(run_engine)
+    try:
+        _register(host, runtime)
+    except BaseException:
+        runtime.retired.set()  # its engine task ends: nothing is left behind
+        raise
+    if host.scheduler is not None:
+        host.scheduler.add_lane(runtime)
+        if not model.external and host.serving:
+            await host.tasks.start(serve_calibration, host.calibrator(), runtime)
+    return runtime
+
+
+def _register(host: Host, runtime: ModelRuntime) -> None:
+    """Give an opened model its client, evictor and hooks, and list it (synchronous)."""
+    model = runtime.config
+    config = host.config
     runtime.client = EngineClient(
         host.transport,
         runtime.engine,
@@ -148,23 +170,15 @@ async def open_model(host: Host, model: ModelConfig) -> ModelRuntime:
         model_id=model.id,
     )
     if not model.external:
-        assert model.path is not None
-        with contextlib.suppress(GGUFError):  # an unreadable file fails at engine start
-            runtime.gguf = await trio.to_thread.run_sync(read_gguf_info, model.path)
         if host.kv is not None:
             user = last_arg_value(model.args, "--slot-save-path")
-            home = Path(user) if user else default_slot_save_dir(state_dir, model.id)
+            home = Path(user) if user else default_slot_save_dir(config.state_dir, model.id)
             host.kv.dirs.setdefault(model.id, home)
         host.arbiter.register_evictor(model.gpu_class, runtime.engine.stop, owner_id=model.id)
         runtime.engine.before_stop = partial(host.park_before_stop, runtime)
         if model.rpc:
             runtime.engine.explain_exit = partial(_lost_rpc_workers, runtime)
     host.models[model.id] = runtime
-    if host.scheduler is not None:
-        host.scheduler.add_lane(runtime)
-        if not model.external and host.serving:
-            await host.tasks.start(serve_calibration, host.calibrator(), runtime)
-    return runtime
 
 
 async def _lost_rpc_workers(runtime: ModelRuntime) -> str | None:
