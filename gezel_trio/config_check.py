@@ -122,6 +122,12 @@ def check_config(config: Config, health: DeviceHealth | None) -> CheckReport:
             )
         except GezelError as exc:
             report.problems.append(f"{key}.args: {exc.message}")
+        if model.rpc:
+            report.plans[model.id] = {
+                "summary": f"layers on the RPC workers {', '.join(model.rpc)} (planned at each "
+                "start against the memory they report)"
+            }
+            continue
         plan = plan_engine(
             info,
             budget_bytes=report.budget_bytes,
