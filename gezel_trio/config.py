@@ -123,6 +123,12 @@ class ModelConfig:
     rpc: list[str] = field(default_factory=list)
     """``host:port`` of ``ggml-rpc-server`` workers: the engine starts with ``--rpc`` and
     its layers spread over them (planned against the memory they report)."""
+    replicas: int = 1
+    """Engines of this model the host runs (each placed on its own device where it can)."""
+    replica_urls: list[str] = field(default_factory=list)
+    """External llama-servers that serve this model too: replicas on other machines."""
+    replica_of: str | None = None
+    """Set by the host on the engines it expands a replicated model into (not a key)."""
 
     @property
     def external(self) -> bool:
@@ -345,6 +351,20 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}.url: expected an http:// or https:// URL, got {m.url!r}")
         if not 1 <= m.parallel <= 256:
             raise ConfigError(f"{key}.parallel: expected 1..256, got {m.parallel}")
+        if m.replica_of is not None:
+            raise ConfigError(f"{key}.replica_of: set by the host, not a config key; remove it")
+        if not 1 <= m.replicas <= 64:
+            raise ConfigError(f"{key}.replicas: expected 1..64, got {m.replicas}")
+        if m.url is not None and m.replicas != 1:
+            raise ConfigError(
+                f"{key}.replicas: an external engine (url) is one replica; list the others "
+                "in replica_urls"
+            )
+        for j, extra in enumerate(m.replica_urls):
+            if not extra.startswith(("http://", "https://")):
+                raise ConfigError(
+                    f"{key}.replica_urls[{j}]: expected an http:// or https:// URL, got {extra!r}"
+                )
         if m.rpc and m.url is not None:
             raise ConfigError(f"{key}.rpc: an external engine (url) cannot be given RPC workers")
         for j, endpoint in enumerate(m.rpc):

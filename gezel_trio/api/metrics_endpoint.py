@@ -55,7 +55,7 @@ async def metrics() -> Response:
 def note_model(host: Host, model: object) -> None:
     """Label this request's metrics with the model ``model`` resolves to (quietly)."""
     try:
-        g.gezel_model = host.resolve_model(model).id
+        g.gezel_model = host.label_of(model)
     except GezelError:
         g.gezel_model = UNRESOLVED
 

@@ -115,17 +115,23 @@ async def embeddings() -> Response:
 async def list_models() -> Response:
     host = _host()
     data: list[dict[str, Any]] = []
-    for rt in host.models.values():
+    for public in host.public_ids():
+        members = host.replica_members(public)
+        rt = members[0] if members else host.models[public]
+        ready = [m for m in members if m.engine.state.value.value == "ready"]
         data.append(
             {
-                "id": rt.id,
+                "id": public,
                 "object": "model",
                 "created": rt.created,
                 "owned_by": "external" if rt.config.external else "gezel-trio",
                 "name": rt.config.display_name,
-                "state": rt.engine.state.value.value,
-                "parallel": rt.engine.parallel or rt.config.parallel,
+                "state": (ready[0] if ready else rt).engine.state.value.value,
+                "parallel": sum(m.engine.parallel or m.config.parallel for m in members)
+                if members
+                else rt.engine.parallel or rt.config.parallel,
                 "ctx_per_slot": rt.config.ctx_per_slot,
+                **({"replicas": [m.id for m in members]} if members else {}),
                 # llama-server's own /v1/models carries these; clients (and the bench
                 # harness) read the vocabulary and context from here.
                 "meta": {
@@ -142,10 +148,11 @@ async def list_models() -> Response:
 @bp.get("/v1/models/<path:model_id>")
 async def get_model(model_id: str) -> Response:
     host = _host()
-    rt = host.resolve_model(model_id)
+    members = host.replica_members(model_id)
+    rt = members[0] if members else host.resolve_model(model_id)
     return json_response(
         {
-            "id": rt.id,
+            "id": rt.config.replica_of or rt.id,
             "object": "model",
             "created": rt.created,
             "owned_by": "external" if rt.config.external else "gezel-trio",

@@ -155,9 +155,9 @@ def _check_limits(runtime: ModelRuntime, body: dict[str, Any]) -> None:
 
 async def proxy_completion(host: Host, body: dict[str, Any], path: str, *, kind: str) -> Response:
     check_completion_body(body, kind=kind)
-    runtime = host.resolve_model(body.get("model"))
-    _check_limits(runtime, body)
     session = session_of(body)
+    runtime = host.resolve_model(body.get("model"), session=session)
+    _check_limits(runtime, body)
     rename = ModelRename(
         requested_model(body, runtime), None if runtime.config.external else runtime.id
     )
@@ -201,6 +201,10 @@ async def _unary(
                 "the engine died before answering: sending the request again",
                 extra={"fields": {"model": runtime.id, "session": session_hash(session)}},
             )
+            if runtime.config.replica_of is not None:  # to another replica, if one is left
+                runtime = host.resolve_model(
+                    runtime.config.replica_of, session=session, avoid={runtime.id}
+                )
     _note_for_log(runtime, session, grant)
     return Response(
         rename.body(content), status=status, content_type=content_type, headers=_wait_header(grant)

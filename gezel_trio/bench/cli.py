@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import trio
 
 from ..errors import GezelError
@@ -109,6 +110,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         metavar="ARGS",
         help="extra llama-server flags for every launched engine, e.g. '--cache-ram 48'",
+    )
+    t.add_argument(
+        "--replicas",
+        type=int,
+        default=2,
+        metavar="N",
+        help="engines the gezel-replicas target runs for the model (default 2)",
     )
     t.add_argument(
         "--models",
@@ -208,6 +216,17 @@ async def _replay_endpoint(
     return TargetOutcome(endpoint.name, "ok", endpoint.description, result=result)
 
 
+async def _host_replicas(base_url: str) -> dict[str, Any] | None:
+    """A gezel target's replica routing after the replay (``/api/status``), if any."""
+    try:
+        async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
+            status = (await client.get("/api/status")).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    replicas = status.get("replicas") if isinstance(status, dict) else None
+    return replicas if isinstance(replicas, dict) and replicas else None
+
+
 async def _run_target(
     spec: _TargetSpec,
     trace: Trace,
@@ -234,7 +253,10 @@ async def _run_target(
             vocab_hi = args.vocab_hi or await trio.to_thread.run_sync(
                 gguf_vocab_size, settings.model_path
             )
-            return await _replay_endpoint(endpoint, trace, args, vocab_hi)
+            outcome = await _replay_endpoint(endpoint, trace, args, vocab_hi)
+            if spec.kind.startswith("gezel"):
+                description["host_replicas"] = await _host_replicas(endpoint.base_url)
+            return outcome
     except GezelError as exc:
         if exc.message.startswith("skipped:"):
             reason = exc.message.removeprefix("skipped:").strip()
@@ -294,6 +316,7 @@ async def bench(args: argparse.Namespace, command: list[str] | None = None) -> i
             gezel_api=args.gezel_api,
             engine_args=tuple(shlex.split(args.engine_args)),
             models=args.models,
+            replicas=args.replicas,
         )
         engine = resolve_llama_server()
 

@@ -53,13 +53,14 @@ __all__ = [
     "router_support",
 ]
 
-Kind = Literal["direct", "router", "gezel", "gezel-noaffinity", "gezel-noparking"]
+Kind = Literal["direct", "router", "gezel", "gezel-noaffinity", "gezel-noparking", "gezel-replicas"]
 LAUNCH_KINDS: tuple[Kind, ...] = (
     "direct",
     "router",
     "gezel",
     "gezel-noaffinity",
     "gezel-noparking",
+    "gezel-replicas",
 )
 
 
@@ -102,6 +103,8 @@ class LaunchSettings:
     gezel_api: Api = "openai"
     engine_args: tuple[str, ...] = ()
     """Extra llama-server flags for every launched engine (``--cache-ram 48``)."""
+    replicas: int = 2
+    """Engines of the model the ``gezel-replicas`` target runs (one pool of slots)."""
     models: int = 1
     """Serve the model file as this many models (ids ``<id>-a``, ``<id>-b``, ...): sessions
     then use them in turn, and one engine at a time is resident (swap)."""
@@ -199,6 +202,7 @@ def gezel_config_toml(
     port: int,
     affinity: bool,
     kv_parking: bool = True,
+    replicas: int = 1,
 ) -> str:
     """The ``gezel-trio serve`` config of a benchmark target (the one place its shape
     lives): one model with the benchmark's slots and per-slot context."""
@@ -223,6 +227,7 @@ def gezel_config_toml(
             f"parallel = {settings.parallel}",
             f"ctx_per_slot = {settings.ctx_per_slot}",
             f"args = [{args}]",
+            *([f"replicas = {replicas}"] if replicas > 1 else []),
             "",
         ]
     lines += [
@@ -455,13 +460,14 @@ async def open_target(
             )
     else:
         on = kind != "gezel-noaffinity"
-        parking = kind == "gezel"
+        parking = kind in ("gezel", "gezel-replicas")
         config = gezel_config_toml(
             settings=settings,
             engine=engine,
             port=port,
             affinity=on,
             kv_parking=parking,
+            replicas=settings.replicas if kind == "gezel-replicas" else 1,
         )
         config_path = settings.workdir / f"{name}.toml"
         config_path.write_text(config, encoding="utf-8")

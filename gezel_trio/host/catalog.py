@@ -36,6 +36,7 @@ from ..engine.rpc import unreachable
 from ..engine.supervisor import default_slot_save_dir, no_reservation, open_engine
 from ..errors import ConfigError
 from ..models_dir import models_from_dir
+from ..replicas import expand_replicas
 from .calibration import serve_calibration
 from .placement import argv_builder, engine_timing, reservation_for
 from .runtime import ModelRuntime
@@ -112,7 +113,7 @@ async def open_model(host: Host, model: ModelConfig) -> ModelRuntime:
         client=None,  # type: ignore[arg-type]  # set below: it needs the engine
         arbiter=host.arbiter,
         metrics=host.metrics,
-        kv=None if model.external else host.kv,
+        kv=host.kv,
         build=host.build_fingerprint(),
     )
     env = None
@@ -227,8 +228,9 @@ async def reconfigure_model(host: Host, model: ModelConfig) -> None:
 
 
 def wanted_models(config: Config) -> list[ModelConfig]:
-    """``config``'s explicit models plus its ``models_dir``'s (blocking file I/O)."""
-    return models_from_dir(config.models, config.engine.models_dir)
+    """``config``'s explicit models plus its ``models_dir``'s, replicated models expanded
+    into their members (blocking file I/O)."""
+    return expand_replicas(models_from_dir(config.models, config.engine.models_dir))
 
 
 async def apply_models(host: Host, wanted: Sequence[ModelConfig]) -> ReloadPlan:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -28,7 +28,7 @@ from .._trio import unwrapping
 from ..config import Config
 from ..engine.argv import last_arg_value
 from ..engine.speed import measure_speed
-from ..engine.supervisor import default_slot_save_dir
+from ..engine.supervisor import EngineState, default_slot_save_dir
 from ..errors import ConfigError, ModelLocked, UnknownModel
 from ..gpu.arbiter import GpuArbiter, resolve_policy
 from ..gpu.health import DeviceSafetyPolicy, HealthGate
@@ -41,6 +41,7 @@ from ..gpu.ledger import (
 )
 from ..gpu.probe import NvmlProbe, Probe
 from ..kvstore import KvStore, default_budget
+from ..replicas import MemberView, ReplicaRouter
 from ..scheduler import (
     JobKind,
     Scheduler,
@@ -105,6 +106,8 @@ class Host:
         """Where each model's engine lives (see :mod:`.catalog`); closed last."""
         self.serving = False
         """True while ``open_host``'s block runs (its tasks nursery is open)."""
+        self.routers: dict[str, ReplicaRouter] = {}
+        """Per replicated model, which member each request goes to."""
         self.activity = Activity()
         """Recent requests and per-second queue and TTFT series (the dashboard's)."""
 
@@ -113,40 +116,94 @@ class Host:
 
     # -------------------------------------------------------------- model selection
 
-    def resolve_model(self, model_id: object) -> ModelRuntime:
+    def resolve_model(
+        self, model_id: object, *, session: str | None = None, avoid: Collection[str] = ()
+    ) -> ModelRuntime:
         """The runtime for a request's ``model`` field.
 
-        A missing ``model`` picks the first configured model. Raises
-        :class:`UnknownModel` (404) or :class:`ModelLocked` (409, before the
-        request reaches the scheduler).
+        A missing ``model`` picks the first configured model. A replicated model's id
+        picks one of its members for ``session`` (see :mod:`gezel_trio.replicas`),
+        never one in ``avoid`` while another is left. Raises :class:`UnknownModel`
+        (404) or :class:`ModelLocked` (409, before the request reaches the scheduler).
         """
         if model_id is None or model_id == "":
             if not self.models:
                 raise UnknownModel("no models are configured")
-            runtime = next(iter(self.models.values()))
+            first = next(iter(self.models.values()))
+            model_id = first.config.replica_of or first.id
+        if not isinstance(model_id, str):
+            raise UnknownModel(f"model must be a string naming a model, got {model_id!r}")
+        members = self.replica_members(model_id)
+        if members:
+            runtime = self._route(model_id, members, session, avoid)
         else:
-            if not isinstance(model_id, str):
-                raise UnknownModel(f"model must be a string naming a model, got {model_id!r}")
             found = self.models.get(model_id)
             if found is None:
                 for rt in self.models.values():
-                    if rt.config.name == model_id:
+                    if rt.config.name == model_id and rt.config.replica_of is None:
                         found = rt
                         break
             if found is None:
-                known = ", ".join(sorted(self.models)) or "none"
+                known = ", ".join(self.public_ids()) or "none"
                 raise UnknownModel(
                     f"the model {model_id[:200]!r} does not exist; known models: {known}"
                 )
             runtime = found
         if self.config.scheduler.lock_model and self.models:
-            locked = next(iter(self.models))
-            if runtime.id != locked:
+            locked = self.public_ids()[0]
+            public = runtime.config.replica_of or runtime.id
+            if public != locked:
                 raise ModelLocked(
                     f"lock_model is on: this host serves only {locked!r}; "
-                    f"{runtime.id!r} is refused (turn lock_model off with PUT /api/config)"
+                    f"{public!r} is refused (turn lock_model off with PUT /api/config)"
                 )
         return runtime
+
+    def label_of(self, model_id: object) -> str:
+        """The id a request for ``model_id`` is counted under in metrics (a replicated
+        model's own id, not a member's); routes nothing. Raises like resolve_model."""
+        if isinstance(model_id, str) and self.replica_members(model_id):
+            return model_id
+        rt = self.resolve_model(model_id)
+        return rt.config.replica_of or rt.id
+
+    def public_ids(self) -> list[str]:
+        """The model ids clients name: a replicated model once, by its own id."""
+        out: list[str] = []
+        for rt in self.models.values():
+            public = rt.config.replica_of or rt.id
+            if public not in out:
+                out.append(public)
+        return out
+
+    def replica_members(self, model_id: str) -> list[ModelRuntime]:
+        """The engines serving the replicated model ``model_id`` (none: not replicated)."""
+        return [rt for rt in self.models.values() if rt.config.replica_of == model_id]
+
+    def _route(
+        self,
+        model_id: str,
+        members: list[ModelRuntime],
+        session: str | None,
+        avoid: Collection[str],
+    ) -> ModelRuntime:
+        router = self.routers.setdefault(model_id, ReplicaRouter())
+        stats = self.scheduler.statistics() if self.scheduler is not None else None
+        views = []
+        for rt in members:
+            load = rt.engine.busy
+            if stats is not None:
+                load += stats.running.get(rt.id, 0) + stats.waiting.get(rt.id, 0)
+            holds = False
+            if session is not None:
+                if self.scheduler is not None:
+                    holds = session in self.scheduler.policy.table(rt.id).holders()
+                if not holds and self.kv is not None:
+                    holds = self.kv.entry(rt.id, session) is not None
+            healthy = rt.engine.state.value is not EngineState.FAILED
+            views.append(MemberView(rt.id, healthy, load, holds))
+        chosen = router.choose(views, session, avoid=avoid)
+        return self.models[chosen]
 
     # -------------------------------------------------------------- running jobs
 
@@ -257,6 +314,13 @@ class Host:
             "gpu": self.last_device_health,
             "ledger": self.ledger.statistics().as_dict(),
             "pressure_releases": self.pressure_releases,
+            "replicas": {
+                model_id: {
+                    "members": [rt.id for rt in self.replica_members(model_id)],
+                    **self.routers[model_id].statistics(),
+                }
+                for model_id in self.routers
+            },
         }
 
     def calibrator(self) -> Calibrator:

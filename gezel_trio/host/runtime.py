@@ -206,9 +206,10 @@ class ModelRuntime:
 
     @property
     def parking_enabled(self) -> bool:
-        """Whether this model parks KV: a store is open, the model is spawned by the host,
-        and its restores have not proven ineffective."""
-        return self.kv is not None and not self.config.external and self.kv_stats.disabled is None
+        """Whether this model parks KV: a store is open and its restores have not proven
+        ineffective. An external engine parks on its own disk (its ``--slot-save-path``),
+        through the same save and restore API; the host keeps the index."""
+        return self.kv is not None and self.kv_stats.disabled is None
 
     @property
     def kv_stats(self) -> KvModelStats:
@@ -223,11 +224,14 @@ class ModelRuntime:
         key = (self.engine.generation, self.engine.argv)
         cached = self._compat
         if cached is None or cached[0] != key:
-            compat = KvCompat(
-                model_file=file_identity(self.config.path or ""),
-                build=self.build,
-                kv_flags=kv_shape_flags(self.engine.argv),
-            )
+            if self.config.external:  # its files load only into that same engine
+                compat = KvCompat(model_file=f"external:{self.config.url}", build="external")
+            else:
+                compat = KvCompat(
+                    model_file=file_identity(self.config.path or ""),
+                    build=self.build,
+                    kv_flags=kv_shape_flags(self.engine.argv),
+                )
             self._compat = cached = (key, compat)
         return cached[1]
 
@@ -385,6 +389,7 @@ class ModelRuntime:
             benchmark=self.last_benchmark,
             kv_parking=self.kv.statistics(self.id) if self.kv is not None else {},
             upstream_calls=dict(self.client.calls),
+            replica_of=self.config.replica_of,
         )
 
 
@@ -403,6 +408,7 @@ class ModelStats:
     benchmark: dict[str, Any] | None
     kv_parking: dict[str, Any]
     upstream_calls: dict[str, int]
+    replica_of: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The engine's fields and the host's, flat (the status page and the
@@ -417,5 +423,6 @@ class ModelStats:
             "calibration": self.calibration,
             "benchmark": self.benchmark,
             "kv_parking": dict(self.kv_parking),
+            "replica_of": self.replica_of,
             "upstream_calls": dict(self.upstream_calls),
         }

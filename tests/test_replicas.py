@@ -1,0 +1,171 @@
+"""One model served by several engines: the router (policy) and a real set of replicas (two
+plain llama-servers as external replicas plus one the host runs)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from gezel_trio.config import ModelConfig
+from gezel_trio.engine.binary import EngineBinary
+from gezel_trio.engine.supervisor import EngineState
+from gezel_trio.replicas import MemberView, ReplicaRouter, expand_replicas
+
+from ._engine_bin import open_llama_server
+from .conftest import make_config, running
+
+
+def test_expansion_names_members_and_keeps_their_kind() -> None:
+    model = ModelConfig(
+        id="m", path="/m.gguf", replicas=2, replica_urls=["http://10.0.0.5:8080"], parallel=3
+    )
+    members = expand_replicas([model, ModelConfig(id="solo", path="/s.gguf")])
+    assert [(m.id, m.replica_of, m.external) for m in members] == [
+        ("m@0", "m", False),
+        ("m@1", "m", False),
+        ("m@2", "m", True),
+        ("solo", None, False),
+    ]
+    assert all(m.parallel == 3 for m in members[:3])
+    assert members[2].url == "http://10.0.0.5:8080" and members[2].path is None
+
+
+def test_router_keeps_sessions_and_spreads_keyless_load() -> None:
+    router = ReplicaRouter()
+    views = [MemberView("a", True, 3), MemberView("b", True, 1), MemberView("c", True, 2)]
+    assert router.choose(views, None) == "b"  # least loaded
+    assert router.choose(views, "s1") == "b"
+    busier = [MemberView("a", True, 0), MemberView("b", True, 9), MemberView("c", True, 0)]
+    assert router.choose(busier, "s1") == "b"  # sticks, though b is busy now
+    holds = [
+        MemberView("a", True, 5),
+        MemberView("b", True, 0),
+        MemberView("c", True, 5, holds=True),
+    ]
+    assert router.choose(holds, "s2") == "c"  # where its KV is
+    down = [MemberView("a", True, 5), MemberView("b", False, 0), MemberView("c", True, 1)]
+    assert router.choose(down, "s1") == "c" and router.moved == 1  # b failed: s1 moves
+    assert router.choose(down, "s1") == "c" and router.moved == 1
+    assert router.choose(views, None, avoid={"b"}) == "c"
+    dead = [MemberView("a", False, 2), MemberView("b", False, 1)]
+    assert router.choose(dead, None) == "b"  # none healthy: try the least loaded
+
+
+def _body(prompt: list[int], session: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "prompt": prompt,
+        "n_predict": 4,
+        "temperature": 0,
+        "cache_prompt": True,
+    }
+    if session:
+        body["prompt_cache_key"] = session
+    return body
+
+
+async def test_a_replica_set_keeps_sessions_spreads_load_and_survives_a_lost_replica(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    """Two plain llama-servers as external replicas plus one the host runs."""
+    prompts = {s: [300 + (i * k) % 200 for i in range(120)] for k, s in enumerate("ABCDEF", 3)}
+    # external engines set up for a host: slot actions on, the shared RAM cache off
+    saves = state_dir.parent / "external-slots"
+    saves.mkdir()
+    flags = ["--slot-save-path", str(saves), "--cache-ram", "0"]
+    async with (
+        open_llama_server(tiny_model, parallel=2, ctx=2048, extra_args=flags) as one,
+        open_llama_server(tiny_model, parallel=2, ctx=2048, extra_args=flags) as two,
+    ):
+        cfg = make_config(
+            [
+                ModelConfig(
+                    id="tiny",
+                    path=str(tiny_model),
+                    parallel=2,
+                    ctx_per_slot=1024,
+                    replica_urls=[one.base_url, two.base_url],
+                )
+            ],
+            state_dir=state_dir,
+            engine_binary=engine_binary,
+            engine={"health_interval": 0.5, "health_failures": 2},
+        )
+        with trio.fail_after(120):
+            async with running(cfg) as (host, client):
+                ids = [m["id"] for m in (await client.get("/v1/models")).json()["data"]]
+                assert ids == ["tiny"]  # one model to clients
+                members = [rt.id for rt in host.replica_members("tiny")]
+                assert members == ["tiny@0", "tiny@1", "tiny@2"]
+
+                async def turn(session: str, extra: list[int]) -> tuple[int, str]:
+                    r = await client.post(
+                        "/completion", json=_body(prompts[session] + extra, session)
+                    )
+                    assert r.status_code == 200, r.text
+                    return int(r.json()["timings"]["cache_n"]), r.json().get("model", "")
+
+                def member_of(name: str) -> str:
+                    session = host.sessions.session(host.sessions.caller(None), name)
+                    member = host.routers["tiny"].member_of(session)
+                    assert member is not None
+                    return member
+
+                where: dict[str, str] = {}
+                for session in "ABCDEF":
+                    assert (await turn(session, []))[0] == 0
+                    where[session] = member_of(session)
+                assert len(set(where.values())) >= 2  # sessions spread over the replicas
+                for session in "ABCDEF":  # and stick: their second turn reuses their KV
+                    cached, _ = await turn(session, [401, 402])
+                    assert cached >= len(prompts[session]) - 1, session
+                    assert member_of(session) == where[session]
+
+                routed_before = dict(host.routers["tiny"].routed)
+
+                async def keyless(i: int) -> None:
+                    r = await client.post("/completion", json=_body([5 + i, 6, 7, 8, 9], None))
+                    assert r.status_code == 200, r.text
+
+                async with trio.open_nursery() as nursery:
+                    for i in range(6):
+                        nursery.start_soon(keyless, i)
+                routed = {
+                    m: host.routers["tiny"].routed.get(m, 0) - routed_before.get(m, 0)
+                    for m in members
+                }
+                assert sum(routed.values()) == 6 and sum(1 for n in routed.values() if n) >= 2
+
+                # a replica dies: its sessions move, and nobody gets another's KV
+                lost = "tiny@1"
+                lost_rt = host.models[lost]
+                assert one.process is not None
+                os.kill(one.process.pid, signal.SIGKILL)
+                with trio.fail_after(20):
+                    await lost_rt.engine.state.wait_value(EngineState.FAILED)
+                moved_before = host.routers["tiny"].moved
+                for session in "ABCDEF":
+                    cached, _ = await turn(session, [401, 402, 403])
+                    if where[session] == lost:  # re-prefilled elsewhere
+                        assert cached == 0
+                        assert member_of(session) != lost
+                    else:
+                        assert cached >= len(prompts[session]) - 1
+                assert host.routers["tiny"].moved - moved_before == sum(
+                    1 for s in where.values() if s == lost
+                )
+                # a new session with another's very prompt shares nothing, on any replica
+                for session in "AB":
+                    r = await client.post(
+                        "/completion", json=_body(prompts[session], f"new-{session}")
+                    )
+                    assert r.status_code == 200 and r.json()["timings"]["cache_n"] == 0
+                status = (await client.get("/api/status")).json()
+                assert status["replicas"]["tiny"]["members"] == members
+                assert {e["model"]: e["replica_of"] for e in status["engines"]} == dict.fromkeys(
+                    members, "tiny"
+                )
