@@ -178,6 +178,9 @@ class KvModelStats:
     """A keyed job whose session had nothing to restore (never parked, or dropped)."""
     ineffective: int = 0
     """Restores that did not take: fewer tokens than parked, or re-prefilled anyway."""
+    diverged: int = 0
+    """Restores whose next prompt was shorter than what was restored: the chat started
+    over under the same name (neither a hit nor a failure of the restore)."""
     dropped_incompatible: int = 0
     evicted: int = 0
     stop_parks: int = 0

@@ -697,7 +697,10 @@ def test_gezel_config_is_accepted_by_the_host_config(tmp_path: Path) -> None:
     )
     data = tomllib.loads(text)
     assert data["server"] == {"host": "127.0.0.1", "port": 8123}
-    assert data["engine"] == {"binary": "/opt/llama server/llama-server"}
+    assert data["engine"] == {
+        "binary": "/opt/llama server/llama-server",
+        "state_dir": str(tmp_path / "state-8123"),  # its own: nothing restored from before
+    }
     assert data["models"] == [
         {"id": "tiny", "path": str(model), "parallel": 3, "ctx_per_slot": 1024, "args": []}
     ]

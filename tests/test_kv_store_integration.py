@@ -424,3 +424,20 @@ async def test_a_models_own_slot_save_path_is_honoured_by_its_last_occurrence(
             files = sorted(p.name for p in last.iterdir())
             assert files == [e.file for e in kv.sessions()] and len(files) == 1
             assert not any(first.iterdir())
+
+
+async def test_a_chat_that_starts_over_under_its_name_is_not_a_failed_restore(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    cfg = _config(tiny_model, state_dir, engine_binary)
+    with trio.fail_after(120):
+        async with running(cfg) as (host, client):
+            assert await _cached(client, PROMPT, "A") == 0
+            assert await _cached(client, REF, "B") == 0  # A parked, B on the slot
+            for i in range(4):  # A starts over each time: short prompts of its own
+                fresh = [450 + i, *[460 + (j * 3) % 40 for j in range(30)]]
+                await _cached(client, fresh, "A")
+                await _cached(client, REF[: 40 + i], "B")
+            kv = _kv(host)
+            assert kv["diverged"] >= 1 and kv["ineffective"] == 0
+            assert kv["disabled"] is None and host.models["tiny"].parking_enabled

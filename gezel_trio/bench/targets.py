@@ -214,6 +214,8 @@ def gezel_config_toml(
         "",
         "[engine]",
         f"binary = {_toml_str(str(engine.path))}",
+        # a state dir of its own: nothing parked by an earlier run is restored into this one
+        f"state_dir = {_toml_str(str(settings.workdir / f'state-{port}'))}",
         "",
     ]
     if settings.models > 1:

@@ -344,14 +344,20 @@ class ModelRuntime:
 
     def verify_restore(self, restored: int, prompt: int | None, cached: int | None) -> None:
         """The first completion after a restore of ``restored`` tokens reported
-        ``cached`` tokens reused: a hit when it reused at least half of what it could
-        (the prompt may have diverged), else the restore did not take."""
+        ``cached`` tokens reused: a hit when it reused at least half of what it could,
+        ``diverged`` when its prompt is shorter than what was restored (a new chat under
+        the same name), else the restore did not take."""
         if cached is None or self.kv is None:
+            return
+        stats = self.kv_stats
+        if prompt is not None and prompt < restored and cached * 2 < prompt:
+            # A prompt shorter than the restored history is no continuation of it: the
+            # chat started over under the same name. Not a sign the restore did not take.
+            stats.diverged += 1
             return
         reusable = restored if prompt is None else min(restored, max(prompt - 1, 0))
         if reusable <= 0:
             return
-        stats = self.kv_stats
         if cached * 2 >= reusable:
             stats.hits += 1
             self._ineffective_streak = 0
