@@ -691,6 +691,9 @@ def test_arbitrary_json_bodies_never_get_a_5xx(hostile: ThreadHost, kind: str, p
 # --------------------------------------------------------------------------- schemathesis
 
 
+_FRAMING = frozenset({"content-length", "transfer-encoding", "host", "connection", "expect"})
+
+
 def test_schemathesis_against_the_published_spec(hostile: ThreadHost) -> None:
     """Generate requests from the host's own ``/openapi.json``: no 5xx, statuses and
     content types as documented."""
@@ -723,6 +726,9 @@ def test_schemathesis_against_the_published_spec(hostile: ThreadHost) -> None:
             nonlocal tried
             if isinstance(case.body, dict):
                 case.body = _bounded(case.body) if "max_tokens" in case.body else case.body
+            if case.headers:  # framing headers are HTTP's, not the API's: hypercorn
+                # answers a malformed Content-Length with its own 400 before any route
+                case.headers = {k: v for k, v in case.headers.items() if k.lower() not in _FRAMING}
             tried += 1
             response = case.call(base_url=hostile.url, timeout=60)
             case.validate_response(
