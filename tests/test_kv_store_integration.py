@@ -441,3 +441,25 @@ async def test_a_chat_that_starts_over_under_its_name_is_not_a_failed_restore(
             kv = _kv(host)
             assert kv["diverged"] >= 1 and kv["ineffective"] == 0
             assert kv["disabled"] is None and host.models["tiny"].parking_enabled
+
+
+async def test_a_session_slot_that_holds_no_token_is_handed_over(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    """A session's job that ends before the engine evaluated anything (a client that left
+    at once) leaves its slot owned by the session but empty: saving it saves nothing, and
+    the next job on that slot must not wait for a save that never comes (it once looped
+    to a 503 'could not be prepared')."""
+    cfg = _config(tiny_model, state_dir, engine_binary)
+    with trio.fail_after(120):
+        async with running(cfg) as (host, client):
+            assert await _cached(client, REF[:20], None) == 0  # the engine is up
+            session = host.sessions.session(host.sessions.caller(None), "E")
+            async with host.slot(host.models["tiny"], session=session) as grant:
+                assert grant.slot_id == 0  # held, and nothing sent
+            table = host.scheduler.policy.table("tiny")  # type: ignore[union-attr]
+            assert table.owner(0) == session
+            for who in (None, "F"):  # a keyless job, then another session, take the slot
+                r = await client.post("/completion", json=_body(REF[:30], who))
+                assert r.status_code == 200, r.text
+            assert host.kv is not None and host.kv.entry("tiny", session) is None

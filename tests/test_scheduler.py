@@ -918,9 +918,10 @@ class ParkingFakeLane(FakeLane):
     def note_miss(self) -> None:
         self.misses += 1
 
-    async def park_slot(self, slot_id: int, session: str) -> None:
+    async def park_slot(self, slot_id: int, session: str) -> int:
         self.parked[session] = self.slots[slot_id].kv
         await trio.sleep(self.park_time)
+        return 100  # tokens saved
 
     async def unpark_slot(self, slot_id: int, session: str) -> int:
         if session not in self.parked:

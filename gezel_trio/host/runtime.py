@@ -259,9 +259,10 @@ class ModelRuntime:
         if self.kv is not None:
             self.kv_stats.misses += 1
 
-    async def park_slot(self, slot_id: int, session: str) -> None:
+    async def park_slot(self, slot_id: int, session: str) -> int:
         """Save ``session``'s KV from ``slot_id`` into the store (a new file; the
-        session's previous one is deleted once the index points at this one).
+        session's previous one is deleted once the index points at this one): the tokens
+        saved, 0 when the slot held none (nothing is kept).
 
         Raises on failure (the caller then erases instead). Cancellation leaves the
         index as it was; a file the engine wrote meanwhile is deleted.
@@ -278,7 +279,7 @@ class ModelRuntime:
             if not isinstance(tokens, int) or not isinstance(size, int):
                 raise EngineFailed(f"save of slot {slot_id} answered without n_saved/n_written")
             if tokens <= 0:
-                return  # nothing to keep (an erased or empty slot)
+                return 0  # nothing to keep: the slot is empty
             now = time.time()
             await kv.put(
                 KvEntry(
@@ -298,6 +299,7 @@ class ModelRuntime:
             stats.save_ms += (time.perf_counter() - t0) * 1000
             if self.metrics is not None:
                 self.metrics.kv_park(self.id, "save", time.perf_counter() - t0)
+            return tokens
         except BaseException:
             stats.save_failures += 1
             raise

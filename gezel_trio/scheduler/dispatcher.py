@@ -112,7 +112,9 @@ class ParkingLane(Protocol):
         """A keyed job found its session neither in its slot nor parked."""
         ...
 
-    async def park_slot(self, slot_id: int, session: str) -> None: ...
+    async def park_slot(self, slot_id: int, session: str) -> int:
+        """Save the slot's KV for ``session``: the tokens saved (0: the slot was empty)."""
+        ...
 
     async def unpark_slot(self, slot_id: int, session: str) -> int:
         """Restore ``session``'s parked KV into the slot: the tokens restored (0: none)."""
@@ -552,13 +554,17 @@ class Scheduler:
         assert slot is not None
         with trio.move_on_after(self.settings.park_timeout):
             try:
-                await lane.park_slot(slot, session)
+                saved = await lane.park_slot(slot, session)
             except Exception as exc:
                 log.warning("parking %s slot %d failed: %r", job.model_id, slot, exc)
             else:
                 self._check_pin(job)
-                self._policy.table_of(job).parked(slot, job, session)
-                self._policy.parks_saved += 1
+                table = self._policy.table_of(job)
+                if saved:
+                    table.parked(slot, job, session)
+                    self._policy.parks_saved += 1
+                else:  # the engine says the slot holds no token: it is empty
+                    table.erased(slot, job)
                 return True
         self._policy.parks_failed += 1
         return False
@@ -641,16 +647,20 @@ class Scheduler:
             try:
                 with trio.move_on_after(self.settings.park_timeout):
                     try:
-                        await lane.park_slot(entry.id, session)
+                        tokens = await lane.park_slot(entry.id, session)
                     except Exception as exc:
                         log.warning("parking %s slot %d failed: %r", model_id, entry.id, exc)
                         self._policy.parks_failed += 1
                         continue
                     table = self._policy.table(model_id)
                     if table.generation == generation and table.pinned_to(entry.id) is cleanup:
-                        table.parked(entry.id, cleanup, session)
-                    self._policy.parks_saved += 1
-                    saved += 1
+                        if tokens:
+                            table.parked(entry.id, cleanup, session)
+                        else:
+                            table.erased(entry.id, cleanup)
+                    if tokens:
+                        self._policy.parks_saved += 1
+                        saved += 1
             finally:
                 self._policy.table(model_id).unpin(entry.id, cleanup)
                 self._wake()
