@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,19 +15,14 @@ import httpx
 import pytest
 
 from gezel_trio.engine.binary import EngineBinary
+from gezel_trio.engine.supervisor import free_port
 
 from .conftest import host_process
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def host_url(tmp_path: Path, tiny_model: Path, engine_binary: EngineBinary) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     cfg = tmp_path / "gezel.toml"
     cfg.write_text(
         f'[server]\nport = {port}\napi_keys = ["k-user"]\nadmin_keys = ["k-admin"]\n'
@@ -106,7 +100,7 @@ def test_logs_and_logs_follow(host_url: str) -> None:
 
 
 def test_errors_are_one_line(host_url: str, tmp_path: Path) -> None:
-    nobody = f"http://127.0.0.1:{_free_port()}"
+    nobody = f"http://127.0.0.1:{free_port()}"
     result = _cli("ps", url=nobody)
     assert result.returncode == 1
     assert result.stderr.startswith(f"gezel-trio: no gezel-trio host answers at {nobody}")

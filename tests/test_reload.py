@@ -13,7 +13,7 @@ import trio
 
 from gezel_trio.config import load_config
 from gezel_trio.engine.binary import EngineBinary
-from gezel_trio.engine.supervisor import EngineState
+from gezel_trio.engine.supervisor import EngineState, free_port
 
 from .conftest import host_process, running
 
@@ -112,11 +112,7 @@ async def test_an_invalid_file_is_refused_and_the_running_config_stays(
 def test_sighup_reloads_a_running_host(
     tmp_path: Path, tiny_model: Path, engine_binary: EngineBinary
 ) -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     path = tmp_path / "gezel.toml"
     one = {"path": str(tiny_model), "parallel": 1}
     path.write_text(

@@ -16,18 +16,12 @@ import trio
 from gezel_trio.config import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.rpc import unreachable, worker_binary
-from gezel_trio.engine.supervisor import EngineState
+from gezel_trio.engine.supervisor import EngineState, free_port
 
 from .conftest import make_config, running
 from .fault_tools import wait_until
 
 PROMPTS = [[10 + i, 20 + i, 30, 40, 50 + 2 * i] for i in range(4)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Worker:
@@ -64,7 +58,7 @@ class Worker:
 def worker(engine_binary: EngineBinary) -> Iterator[Worker]:
     if worker_binary(engine_binary.path) is None:
         pytest.fail(f"no ggml-rpc-server beside {engine_binary.path}", pytrace=False)
-    w = Worker(_free_port(), engine_binary)
+    w = Worker(free_port(), engine_binary)
     w.start()
     try:
         yield w
