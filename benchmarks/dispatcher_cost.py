@@ -95,6 +95,7 @@ class FakeLane:
         return self._generation
 
     sole_client = True
+    family: str | None = None
     ready = True
 
     def hold(self) -> AbstractContextManager[object]:
@@ -214,6 +215,7 @@ class _InfoLane:
         self.slot_count = parallel
         self.generation = 1
         self.sole_client = True
+        self.family: str | None = None
 
 
 def _policy_run(*, jobs: int, models: int, parallel: int, residency: Residency) -> dict[str, Any]:

@@ -105,6 +105,7 @@ class FakeLane:
         self.measure = measure
         self.restart_on_load = restart_on_load
         self.sole_client = sole_client
+        self.family: str | None = None
         self.holds = 0
         self.slots = [Slot(i) for i in range(parallel)]
         self.external: set[int] = set()  # slots busy with traffic we did not schedule

@@ -40,6 +40,7 @@ class Lane:
     generation: int = 1
     display_name: str = ""
     sole_client: bool = False
+    family: str | None = None
 
     @property
     def slot_count(self) -> int:
@@ -569,3 +570,122 @@ def test_policy_invariants_hold_under_any_sequence(
         if not any(j.state in (JobState.QUEUED, JobState.RUNNING) for j in jobs):
             break
     assert not any(j.state is JobState.QUEUED for j in jobs)
+
+
+# --------------------------------------------------------------------------- replicas: the pool
+
+
+def _replicas(*members: str, others: tuple[str, ...] = (), **options: Any) -> Driver:
+    """A driver whose ``members`` are replicas of one model ``m`` (spawned engines)."""
+    d = Driver(parallel=2, **options)
+    for model_id in members:
+        lane = Lane(model_id, parallel=2, display_name="M", sole_client=True, family="m")
+        d.lanes[model_id] = lane
+        d.external[model_id] = set()
+        d.policy.add_lane(lane)
+    for model_id in others:
+        lane = Lane(model_id, parallel=2, display_name=model_id.upper(), sole_client=True)
+        d.lanes[model_id] = lane
+        d.external[model_id] = set()
+        d.policy.add_lane(lane)
+    return d
+
+
+def _pooled(d: Driver, model: str, session: str | None = None) -> Job:
+    job = Job(model_id=model, session=session, pool=True)
+    return d.policy.enqueue(job, now=d.now)
+
+
+@pytest.mark.parametrize("residency", ["swap", "coexist"])
+def test_replicas_run_in_one_turn_and_a_free_sibling_takes_pool_jobs(residency: str) -> None:
+    d = _replicas("m@0", "m@1", others=("x",), residency=residency)
+    jobs = [_pooled(d, "m@0") for _ in range(4)]  # all routed to one member
+    started = d.step()
+    assert sorted(d.loads) == ["m@0", "m@1"]  # the pool loads its members together
+    assert seqs(started) == seqs(jobs)  # two slots each: nobody waits
+    assert {j.model_id for j in jobs} == {"m@0", "m@1"}
+    assert d.policy.snapshot().pool["pooled"] == 2
+    if residency == "swap":  # the family is one turn: the other model waits for it
+        x = d.submit("x")
+        assert d.step() == []
+        for job in jobs:
+            d.settle(job)
+        assert d.step() == [x]
+
+
+def test_a_job_bound_to_its_kv_is_not_taken_by_a_sibling() -> None:
+    d = _replicas("m@0", "m@1", residency="coexist")
+    warm = [_pooled(d, "m@0", f"s{i}") for i in range(4)]
+    assert d.step() == warm
+    for job in warm:
+        d.settle(job)
+    on_0 = [j.session for j in warm if j.model_id == "m@0"]
+    assert len(on_0) == 2  # two went to the sibling
+    busy = [_pooled(d, "m@0"), _pooled(d, "m@0")]
+    assert d.step() == busy and {j.model_id for j in busy} == {"m@0"}  # own room first
+    keyed = _pooled(d, "m@0", on_0[0])  # its session holds a slot of m@0: it stays
+    assert d.step() == []
+    assert keyed.state is JobState.QUEUED and keyed.model_id == "m@0"
+    parked = d.submit("m@0", on_0[1])  # routed to its parked KV: not a pool job
+    assert d.step() == [] and parked.model_id == "m@0"
+    d.settle(busy[0])
+    d.settle(busy[1])
+    assert d.step() == [keyed, parked]
+    assert {keyed.model_id, parked.model_id} == {"m@0"}
+    assert d.policy.snapshot().pool["pooled"] == 2  # only the two of the warm-up
+
+
+def test_one_member_starts_for_a_few_jobs_and_a_sibling_for_more() -> None:
+    d = _replicas("m@0", "m@1", residency="coexist")
+    first = _pooled(d, "m@0")
+    assert d.step() == [first] and d.loads == ["m@0"]  # its room covers the pool
+    more = [_pooled(d, "m@0") for _ in range(3)]
+    d.step()
+    assert d.loads == ["m@0", "m@1"]
+    assert all(j.state is JobState.RUNNING for j in more)
+
+
+def test_an_exclusive_op_drains_every_replica() -> None:
+    d = _replicas("m@0", "m@1", residency="coexist")
+    a = _pooled(d, "m@1")
+    assert d.step() == [a] and a.model_id == "m@1"
+    op = d.submit("m@0", kind="calibrate")
+    later = _pooled(d, "m@0")
+    assert d.step() == []  # m@0 is idle, but its sibling is not drained
+    d.settle(a)
+    assert d.step() == [op]
+    assert d.step() == []  # nothing runs beside it, on either replica
+    d.settle(op)
+    assert d.step() == [later]
+
+
+def test_a_replica_that_fails_to_load_hands_its_queue_to_a_sibling_in_order() -> None:
+    d = _replicas("m@0", "m@1", residency="coexist")
+    jobs = [_pooled(d, "m@0", f"s{i}") for i in range(3)] + [d.submit("m@0", "bound")]
+    started = d.step(fail_loads=frozenset({"m@0"}))
+    assert all(j.state is not JobState.FAILED for j in jobs)
+    assert {j.model_id for j in jobs} == {"m@1"}
+    assert seqs(started) == seqs(jobs[:2])  # m@1's two slots, in queue order
+    assert d.policy.snapshot().pool["failovers"] == 4
+    assert d.policy.is_down("m@0")
+    for job in started:
+        d.settle(job)
+    assert seqs(d.step(fail_loads=frozenset({"m@0"}))) == seqs(jobs[2:])
+
+
+def test_with_every_replica_down_their_jobs_fail_as_one_models_would() -> None:
+    d = _replicas("m@0", "m@1", residency="coexist")
+    jobs = [_pooled(d, "m@0"), _pooled(d, "m@1")]
+    d.step(fail_loads=frozenset({"m@0", "m@1"}))
+    assert [j.state for j in jobs] == [JobState.FAILED, JobState.FAILED]
+    assert d.policy.queued == 0
+
+
+def test_an_unreachable_replica_hands_its_queue_on_and_comes_back_when_routed_to() -> None:
+    d = _replicas("m@0", "m@1", residency="coexist")
+    queued = [d.submit("m@0", "s1")]
+    assert d.policy.member_unreachable("m@0") == 1
+    assert queued[0].model_id == "m@1" and d.policy.is_down("m@0")
+    assert d.policy.member_unreachable("x") == 0  # unknown: nothing
+    d.submit("m@0")  # the router saw it healthy again: it gets a try
+    assert not d.policy.is_down("m@0")

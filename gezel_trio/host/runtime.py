@@ -129,6 +129,10 @@ class ModelRuntime:
         return not self.config.external
 
     @property
+    def family(self) -> str | None:
+        return self.config.replica_of
+
+    @property
     def ready(self) -> bool:
         return self.engine.state.value is EngineState.READY and self.engine.base_url is not None
 

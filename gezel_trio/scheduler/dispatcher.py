@@ -321,6 +321,7 @@ class Scheduler:
         kind: JobKind = "completion",
         any_slot: bool = False,
         needs_slot: bool = True,
+        pool: bool = False,
     ) -> SlotRequest:
         """Wait for a slot of ``model_id`` and hold it for the ``async with`` block.
 
@@ -332,6 +333,9 @@ class Scheduler:
         engine picks the slot (embeddings), so the job waits for and holds every
         slot. ``needs_slot`` False: the call occupies capacity but sends nothing
         to a slot (tokenize, props on an engine that must be made resident).
+        ``pool``: the job may run on any replica of ``model_id``'s family (its
+        session holds no KV anywhere); ``grant.model_id`` names the one it got. A
+        replica that goes down moves its queued jobs to a live sibling either way.
 
         Raises (on entry) UnknownModel, QueueFull (with ``retry_after``), the
         engine's error when the model cannot be made resident, EngineFailed when
@@ -352,6 +356,7 @@ class Scheduler:
             session=session,
             any_slot=any_slot,
             needs_slot=needs_slot and not any_slot and kind == "completion",
+            pool=pool and kind == "completion" and not any_slot,
         )
         return SlotRequest(self, job)
 
@@ -394,6 +399,11 @@ class Scheduler:
 
     def statistics(self) -> SchedulerStats:
         return self._policy.snapshot()
+
+    def member_reachable(self, model_id: str) -> None:
+        """A replica that was down answers again: its jobs may be admitted there."""
+        self._policy.member_reachable(model_id)
+        self._wake()
 
     # ------------------------------------------------------------------ job lifecycle
 
@@ -854,6 +864,7 @@ class Scheduler:
                 failure = repr(exc)
             else:
                 self._policy.note_measurement(ok=measured is not None)
+                self._policy.member_reachable(model_id)
                 if model_id in self._measure_failing:
                     self._measure_failing.discard(model_id)
                     log.info("slot measurement of %s works again", model_id)
@@ -861,6 +872,9 @@ class Scheduler:
         if failure is None:
             failure = f"timed out after {timeout}s"
         self._policy.note_measurement(ok=False)
+        moved = self._policy.member_unreachable(model_id)
+        if moved:
+            log.warning("%s is unreachable: %d queued jobs moved to its replicas", model_id, moved)
         if model_id not in self._measure_failing:  # say it once, not on every pass
             self._measure_failing.add(model_id)
             log.warning("slot measurement of %s failed (%s): jobs wait", model_id, failure)

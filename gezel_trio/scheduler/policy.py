@@ -11,11 +11,14 @@ The rules, in the order the policy applies them (see the issue-3 seed):
 
 1. RESIDENCY. Jobs are partitioned into *groups* that share one engine turn:
    in ``swap`` mode every model is in one group (one resident model per GPU), in
-   ``coexist`` mode each model is its own group. A turn switches model only
-   from a fully drained group; nothing is refused for "wrong model".
+   ``coexist`` mode each *family* is its own group. A turn switches model only
+   from a fully drained group; nothing is refused for "wrong model". A family is
+   one model, or the members of a replicated model (lanes with the same
+   ``family``): a turn belongs to a family, so the replicas of a model run
+   together, and every rule below applies to the family as to one model.
 2. EXCLUSIVITY. ``calibrate``, ``sweep`` and ``benchmark`` jobs are turns of
-   their own: the group drains, the job runs alone, nothing is admitted
-   meanwhile.
+   their own: the group drains (every replica of the family too), the job runs
+   alone, nothing is admitted meanwhile.
 3. THE OPEN TURN. A turn claims every queued job of its model up to the first
    exclusive job, and keeps absorbing same-model jobs that reach the head of the
    queue, even after its batch drained. A claim is a sequence-number bound, not
@@ -40,7 +43,15 @@ The rules, in the order the policy applies them (see the issue-3 seed):
    slot fresh and keeps the pins of running jobs.
 7. AFFINITY. Within a turn, jobs whose session holds a slot go first, pinned to
    that slot when it is free; everything else is FIFO.
-8. PINNING. Every admitted job that uses a slot is pinned to a distinct slot id
+8. THE POOL. A family's members share their queued work. A job submitted with
+   ``pool`` set (its session holds no KV anywhere, or it has none) may run on
+   any member: a member with room takes such jobs from its siblings' claimed
+   queues, earliest first. A member whose load fails (or whose ``/slots`` cannot
+   be sampled) is *down*: its queued completions move to a live sibling, in
+   their queue order, and are counted (``failovers``); with no live sibling they
+   fail (or wait) as a single model's would. A job's ``model_id`` is the member
+   it was granted on.
+9. PINNING. Every admitted job that uses a slot is pinned to a distinct slot id
    from the table. No job is ever admitted unpinned: when no id can be named
    the job waits. A job whose slot the engine chooses (embeddings: llama-server
    ignores ``id_slot`` there) is admitted only when every slot is free, pins
@@ -169,6 +180,11 @@ class LaneInfo(Protocol):
         slots come from the table; False for an external engine (measured)."""
         ...
 
+    @property
+    def family(self) -> str | None:
+        """The replicated model this lane is a member of (None: a model of its own)."""
+        ...
+
 
 class JobState(Enum):
     QUEUED = "queued"  # submitted, not admitted (possibly claimed by a turn)
@@ -191,6 +207,7 @@ class Job:
     slot_id: int | None = None
     any_slot: bool = False  # the engine picks the slot (embeddings): holds every slot
     needs_slot: bool = True  # False: occupies capacity, sends nothing to a slot
+    pool: bool = False  # may run on any member of its family (see THE POOL)
     ran: bool = False  # its request was sent (the slot's content is the job's from now)
     generation: int | None = None  # engine generation the job was admitted on
     admitted_at: float | None = None
@@ -256,7 +273,7 @@ class SchedulerStats:
     waiting_model_ids: dict[str, int]  # model id -> queued jobs
     running: dict[str, int]  # model id -> admitted completions not yet settled
     last_turn: str | None
-    turns: dict[str, str | None]  # group ("*" in swap mode, else model id) -> turn model
+    turns: dict[str, str | None]  # group ("*" in swap mode, else family) -> turn family
     active: ActiveOp | None  # the exclusive op running (the first one in coexist mode)
     active_ops: tuple[ActiveOp, ...]
     loading: tuple[str, ...]
@@ -264,6 +281,7 @@ class SchedulerStats:
     slots: dict[str, dict[str, object]]  # model -> its slot table (contents, pins, held out)
     erases: dict[str, int]  # ok, failed, skipped_same_session, after_keyless
     parking: dict[str, int]  # saved, save_skipped_current, restored, failed
+    pool: dict[str, int]  # failovers (moved off a down member), pooled (taken by a sibling)
     admissions: int
     reconciliations: int
     held_out: int
@@ -299,6 +317,7 @@ class SchedulerStats:
             "slots": {model: dict(table) for model, table in self.slots.items()},
             "erases": dict(self.erases),
             "parking": dict(self.parking),
+            "pool": dict(self.pool),
             "admissions": self.admissions,
             "reconciliations": self.reconciliations,
             "held_out": self.held_out,
@@ -425,6 +444,20 @@ class _JobDeque:
         self._items.append(job)
         self._live += 1
 
+    def insert(self, job: Job) -> None:
+        """Add ``job`` in ``seq`` order (O(1) at the tail, else O(entries): a job moved
+        from another queue, which is rare)."""
+        items = self._items
+        if not items or items[-1].seq < job.seq:
+            self.append(job)
+            return
+        self._bind(job, self)
+        self._live += 1
+        live = [j for j in items if self._member(j) and j is not job]
+        live.append(job)
+        live.sort(key=lambda j: j.seq)
+        self._items = deque(live)
+
     def head(self) -> Job | None:
         items = self._items
         if self._index:
@@ -471,6 +504,8 @@ class _JobDeque:
 class _Model:
     __slots__ = (
         "display_name",
+        "down",
+        "family",
         "group_key",
         "lane",
         "loading",
@@ -482,68 +517,153 @@ class _Model:
         "waiting",
     )
 
-    def __init__(self, model_id: str, lane: LaneInfo, group_key: str) -> None:
+    def __init__(self, model_id: str, lane: LaneInfo, family: _Family) -> None:
         self.model_id = model_id
         self.lane = lane
         self.display_name = lane.display_name
-        self.group_key = group_key
+        self.family = family
+        self.group_key = ""
         self.queue = _JobDeque()  # queued completions, FIFO (a turn claims a prefix)
         self.sessions: dict[str, _JobDeque] = {}  # session -> its queued completions
         self.waiting = 0  # queued jobs of this model (claimed or not, exclusive too)
         self.running = 0  # admitted completions not yet settled
         self.table = SlotTable()
         self.loading = False
+        self.down = False  # its last load failed or its /slots could not be sampled
 
     def __repr__(self) -> str:
         return f"<_Model {self.model_id} waiting={self.waiting} running={self.running}>"
 
     def append(self, job: Job) -> None:
         self.queue.append(job)
+        self._index(job)
+
+    def insert(self, job: Job) -> None:
+        """Queue ``job`` in its ``seq`` order (a job moved here from a sibling)."""
+        self.queue.insert(job)
+        self._index(job)
+
+    def _index(self, job: Job) -> None:
         session = job.session
         if session is not None:
             index = self.sessions.get(session)
             if index is None:
                 index = _JobDeque(index=True, key=session, owner=self.sessions)
                 self.sessions[session] = index
-            index.append(job)
+            index.insert(job)
+
+
+class _Family:
+    """The models that share turns: one model, or a replicated model's members."""
+
+    __slots__ = ("key", "members")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.members: list[_Model] = []
+
+    def __repr__(self) -> str:
+        return f"<_Family {self.key} {[m.model_id for m in self.members]}>"
+
+    @property
+    def running(self) -> int:
+        return sum(m.running for m in self.members)
+
+    def has_queue(self) -> bool:
+        return any(m.queue for m in self.members)
+
+    def live(self, *, other_than: _Model) -> list[_Model]:
+        """Members other than ``other_than`` that are not down."""
+        return [m for m in self.members if m is not other_than and not m.down]
+
+
+STEAL_SCAN = 16
+"""How many claimed jobs of each sibling a member with room looks at for pool jobs."""
 
 
 class _Turn:
-    """One model's turn in a group: its model's jobs queued below ``bound``, or one
-    exclusive job."""
+    """One family's turn in a group: its members' jobs queued below ``bound``, or one
+    exclusive job (of one member)."""
 
-    __slots__ = ("bound", "exclusive", "model", "ready")
+    __slots__ = ("bound", "exclusive", "family", "loaded")
 
-    def __init__(self, model: _Model, *, bound: float = 0, exclusive: Job | None = None) -> None:
-        self.model = model
+    def __init__(self, family: _Family, *, bound: float = 0, exclusive: Job | None = None) -> None:
+        self.family = family
         self.exclusive = exclusive
-        self.bound = bound  # jobs of the model with seq < bound are claimed
-        self.ready = False  # ensure_resident returned since the turn last became busy
+        self.bound = bound  # jobs of the family with seq < bound are claimed
+        self.loaded: set[str] = set()
+        """Members whose ensure_resident returned since the turn last became busy."""
 
     def __repr__(self) -> str:
         what = f"exclusive={self.exclusive.kind}" if self.exclusive else f"bound={self.bound}"
-        return f"<_Turn {self.model.model_id} {what} ready={self.ready}>"
+        return f"<_Turn {self.family.key} {what} loaded={sorted(self.loaded)}>"
+
+    def holds(self, model: _Model) -> bool:
+        """True while ``model`` is a member of the turn's family."""
+        return model.family is self.family
 
     def head(self) -> Job | None:
-        """The earliest claimed job not yet admitted."""
-        job = self.model.queue.head()
+        """The earliest claimed job not yet admitted, of any member."""
+        best: Job | None = None
+        for model in self.family.members:
+            job = self.head_of(model)
+            if job is not None and (best is None or job.seq < best.seq):
+                best = job
+        return best
+
+    def head_of(self, model: _Model) -> Job | None:
+        """``model``'s earliest claimed job not yet admitted."""
+        job = model.queue.head()
         return job if job is not None and job.seq < self.bound else None
 
-    def pending_for(self, session: str) -> Job | None:
-        """The earliest claimed job of ``session`` not yet admitted."""
-        index = self.model.sessions.get(session)
+    def pending_for(self, model: _Model, session: str) -> Job | None:
+        """The earliest claimed job of ``session`` on ``model`` not yet admitted."""
+        index = model.sessions.get(session)
         if index is None:
             return None
         job = index.head()
         return job if job is not None and job.seq < self.bound else None
 
-    def claimed(self) -> list[Job]:
+    def claimed(self, model: _Model) -> list[Job]:
         out: list[Job] = []
-        for job in self.model.queue.prefix():
+        for job in model.queue.prefix():
             if job.seq >= self.bound:
                 break
             out.append(job)
         return out
+
+    def movable(self, to: _Model) -> Iterator[Job]:
+        """Claimed jobs of ``to``'s siblings that ``to`` may take (see THE POOL),
+        earliest first among the first :data:`STEAL_SCAN` of each sibling."""
+        found: list[Job] = []
+        for model in self.family.members:
+            if model is to:
+                continue
+            for i, job in enumerate(model.queue.prefix()):
+                if i >= STEAL_SCAN or job.seq >= self.bound:
+                    break
+                if model.down or (job.pool and not self._held(job.session)):
+                    found.append(job)
+        found.sort(key=lambda j: j.seq)
+        return iter(found)
+
+    def pool_waiting(self) -> int:
+        """Claimed jobs any member may take (among the first :data:`STEAL_SCAN` of
+        each member): pool jobs whose session holds no slot, and every job of a down
+        member."""
+        count = 0
+        for model in self.family.members:
+            for i, job in enumerate(model.queue.prefix()):
+                if i >= STEAL_SCAN or job.seq >= self.bound:
+                    break
+                if model.down or (job.pool and not self._held(job.session)):
+                    count += 1
+        return count
+
+    def _held(self, session: str | None) -> bool:
+        if session is None:
+            return False
+        return any(m.table.holds(session) for m in self.family.members)
 
 
 class _Group:
@@ -554,14 +674,14 @@ class _Group:
         self.models: list[_Model] = []
         self.exclusive = _JobDeque()  # queued exclusive jobs, FIFO
         self.turn: _Turn | None = None
-        self.last_turn: str | None = None
+        self.last_turn: str | None = None  # the family that had the last turn
         self.active: list[Job] = []  # running exclusive jobs
 
     def __repr__(self) -> str:
         return f"<_Group {self.key} turn={self.turn!r} active={len(self.active)}>"
 
-    def running(self, *, other_than: _Model | None = None) -> int:
-        return len(self.active) + sum(m.running for m in self.models if m is not other_than)
+    def running(self, *, other_than: _Family | None = None) -> int:
+        return len(self.active) + sum(m.running for m in self.models if m.family is not other_than)
 
 
 def _seq(job: Job | None) -> float:
@@ -601,6 +721,7 @@ class SchedulerPolicy:
         self.affinity_max_wait = affinity_max_wait
         self.erase_on_handoff = erase_on_handoff
         self._models: dict[str, _Model] = {}
+        self._families: dict[str, _Family] = {}
         self._groups: dict[str, _Group] = {}
         self._seq = 0
         self._queued = 0
@@ -619,6 +740,8 @@ class SchedulerPolicy:
         self.parks_failed = 0
         self.reconciliations = 0
         self.held_out = 0  # slots found busy with work the host did not send
+        self.failovers = 0  # queued jobs moved off a member that went down
+        self.pooled = 0  # pool jobs a member took from a sibling's queue
         self.slot_polls = 0
         self.slot_measurements = 0
         self.slot_measure_failures = 0
@@ -628,7 +751,7 @@ class SchedulerPolicy:
             self.add_lane(lane)
 
     def __repr__(self) -> str:
-        turns = {k: (g.turn.model.model_id if g.turn else None) for k, g in self._groups.items()}
+        turns = {k: (g.turn.family.key if g.turn else None) for k, g in self._groups.items()}
         return (
             f"<SchedulerPolicy {self.residency} queued={self._queued}/{self.max_queue} "
             f"turns={turns}>"
@@ -636,8 +759,8 @@ class SchedulerPolicy:
 
     # ------------------------------------------------------------------ lanes
 
-    def _group_key(self, model_id: str) -> str:
-        return _SWAP_GROUP if self.residency == "swap" else model_id
+    def _group_key(self, family: _Family) -> str:
+        return _SWAP_GROUP if self.residency == "swap" else family.key
 
     def _group_for(self, key: str) -> _Group:
         group = self._groups.get(key)
@@ -655,8 +778,13 @@ class SchedulerPolicy:
         model_id = lane.model_id
         if model_id in self._models:
             raise ValueError(f"model {model_id!r} already has a lane")
-        key = self._group_key(model_id)
-        model = _Model(model_id, lane, key)
+        family_key = lane.family or model_id
+        family = self._families.get(family_key)
+        if family is None:
+            family = self._families[family_key] = _Family(family_key)
+        model = _Model(model_id, lane, family)
+        family.members.append(model)
+        model.group_key = key = self._group_key(family)
         self._models[model_id] = model
         self._group_for(key).models.append(model)
 
@@ -671,12 +799,18 @@ class SchedulerPolicy:
         group = self._groups[model.group_key]
         failed = [*model.queue, *(j for j in group.exclusive if j.model_state is model)]
         turn = group.turn
-        if turn is not None and turn.model is model:
-            if turn.exclusive is not None and turn.exclusive.state is JobState.QUEUED:
+        family = model.family
+        if turn is not None and turn.exclusive is not None and turn.exclusive.model_state is model:
+            if turn.exclusive.state is JobState.QUEUED:
                 failed.append(turn.exclusive)
+            group.turn = None
+        elif turn is not None and turn.holds(model) and len(family.members) == 1:
             group.turn = None
         for job in failed:
             self._unqueue(job, JobState.FAILED)
+        family.members.remove(model)
+        if not family.members:
+            del self._families[family.key]
         group.models.remove(model)
         if not group.models and not group.active:
             del self._groups[group.key]
@@ -702,14 +836,14 @@ class SchedulerPolicy:
         self.residency = residency
         self._groups = {}
         for model in self._models.values():
-            model.group_key = self._group_key(model.model_id)
+            model.group_key = self._group_key(model.family)
             self._group_for(model.group_key).models.append(model)
         for job in exclusives:
             assert job.model_state is not None
             self._group_for(job.model_state.group_key).exclusive.append(job)
         for job in active:
             assert job.model_state is not None
-            self._group_for(self._group_key(job.model_id)).active.append(job)
+            self._group_for(job.model_state.group_key).active.append(job)
         if residency == "coexist" and self._last_turn in self._groups:
             self._groups[self._last_turn].last_turn = self._last_turn
 
@@ -736,6 +870,7 @@ class SchedulerPolicy:
         job.submitted_at = now
         job.state = JobState.QUEUED
         job.model_state = model
+        model.down = False  # routed here as healthy: give it a try
         if job.exclusive:
             self._groups[model.group_key].exclusive.append(job)
         else:
@@ -792,32 +927,32 @@ class SchedulerPolicy:
 
     # ------------------------------------------------------------------ turns
 
-    def _head(self, group: _Group, *, skip: _Model | None = None) -> Job | None:
-        """The group's earliest queued job (skipping one model's queue)."""
+    def _head(self, group: _Group, *, skip: _Family | None = None) -> Job | None:
+        """The group's earliest queued job (skipping one family's queues)."""
         best = group.exclusive.head()
         for model in group.models:
-            if model is skip:
+            if model.family is skip:
                 continue
             job = model.queue.head()
             if job is not None and (best is None or job.seq < best.seq):
                 best = job
         return best
 
-    def _pick(self, group: _Group) -> _Model | None:
-        """The next turn's model: the earliest-queued model other than the one that
-        just ran, among jobs ahead of the first exclusive op; else that same model."""
+    def _pick(self, group: _Group) -> _Family | None:
+        """The next turn's family: the earliest-queued family other than the one that
+        just ran, among jobs ahead of the first exclusive op; else that same family."""
         barrier = _seq(group.exclusive.head())
-        other: _Model | None = None
+        other: _Family | None = None
         other_seq = math.inf
-        same: _Model | None = None
+        same: _Family | None = None
         for model in group.models:
             job = model.queue.head()
             if job is None or job.seq > barrier:
                 continue
-            if model.model_id == group.last_turn:
-                same = model
+            if model.family.key == group.last_turn:
+                same = model.family
             elif job.seq < other_seq:
-                other, other_seq = model, job.seq
+                other, other_seq = model.family, job.seq
         return other if other is not None else same
 
     def _start_turn(self, group: _Group) -> _Turn | None:
@@ -828,33 +963,34 @@ class SchedulerPolicy:
             model = head.model_state
             assert model is not None
             if group.running() > 0:
-                return None  # exclusive ops start from a drained engine
+                return None  # exclusive ops start from a drained engine (every replica)
             group.exclusive.discard(head)
-            turn = _Turn(model, exclusive=head)
+            family = model.family
+            turn = _Turn(family, exclusive=head)
         else:
             picked = self._pick(group)
             if picked is None:  # pragma: no cover - head is a completion, so some model has one
                 return None
-            model = picked
-            if group.running(other_than=model) > 0:
+            family = picked
+            if group.running(other_than=family) > 0:
                 return None  # switch only from a drained engine
-            # every queued job of its model, up to the first exclusive op
-            turn = _Turn(model, bound=min(_seq(group.exclusive.head()), self._seq))
+            # every queued job of its family, up to the first exclusive op
+            turn = _Turn(family, bound=min(_seq(group.exclusive.head()), self._seq))
         previous = group.last_turn
-        if self.residency == "swap" and previous is not None and previous != model.model_id:
+        if self.residency == "swap" and previous is not None and previous != family.key:
             # The outgoing engine may be stopped; if it is, its next generation is
             # fresh, and if it is not, nobody else touched its slots: its table holds.
             self.switches += 1
         group.turn = turn
-        group.last_turn = self._last_turn = model.model_id
+        group.last_turn = self._last_turn = family.key
         return turn
 
     def _absorb(self, group: _Group, turn: _Turn) -> None:
-        """Claim same-model jobs while they are at the head of the group's queue:
-        every job of the model queued before the earliest job of anyone else."""
-        if not turn.model.queue:
+        """Claim same-family jobs while they are at the head of the group's queue:
+        every job of the family queued before the earliest job of anyone else."""
+        if not turn.family.has_queue():
             return
-        limit = min(_seq(self._head(group, skip=turn.model)), self._seq)
+        limit = min(_seq(self._head(group, skip=turn.family)), self._seq)
         if limit > turn.bound:
             turn.bound = limit
 
@@ -879,13 +1015,14 @@ class SchedulerPolicy:
                 turn = self._start_turn(group)
                 if turn is None:
                     return
-            model = turn.model
             job = turn.exclusive
             if job is not None:
                 if job.state is not JobState.QUEUED:  # cancelled while waiting its turn
                     group.turn = None
                     continue
-                if not turn.ready:  # (the group was drained when the turn started)
+                model = job.model_state
+                assert model is not None
+                if model.model_id not in turn.loaded:  # (the group drained when it started)
                     self._want_load(model, actions)
                     return
                 self._unqueue_to_running(job)
@@ -893,19 +1030,55 @@ class SchedulerPolicy:
                 actions.append(RunExclusive(job))
                 return
             self._absorb(group, turn)
+            family = turn.family
             if turn.head() is None:
-                if model.running == 0:
+                if family.running == 0:
                     if self._has_queued(group):
                         group.turn = None  # drained, and someone else is at the head
                         continue
-                    turn.ready = False  # idle open turn: re-ensure residency on next use
+                    turn.loaded.clear()  # idle open turn: re-ensure residency on next use
                 return
-            if not turn.ready:
-                self._want_load(model, actions)
+            if len(family.members) == 1:
+                model = family.members[0]
+                if model.model_id in turn.loaded:
+                    if model.running < max(1, model.lane.parallel):
+                        actions.append(Admit(model.model_id))
+                else:
+                    self._want_load(model, actions)
                 return
-            if model.running < max(1, model.lane.parallel):
-                actions.append(Admit(model.model_id))
+            self._plan_pool(turn, actions)
             return
+
+    def _plan_pool(self, turn: _Turn, actions: list[Action]) -> None:
+        """A replicated family's turn: load members with jobs of their own, admit on
+        every loaded member with room that has jobs or can take pool jobs, and
+        start one more member while pool jobs outnumber the loaded members' room."""
+        family = turn.family
+        pool = turn.pool_waiting()
+        idle: _Model | None = None  # a member that could be started for the pool
+        for model in family.members:
+            loaded = model.model_id in turn.loaded
+            room = max(1, model.lane.parallel) - model.running
+            if turn.head_of(model) is None:
+                if not loaded:
+                    if not model.down and not model.loading and idle is None:
+                        idle = model
+                    continue
+                if model.down or pool == 0:
+                    continue
+            elif not loaded:
+                self._want_load(model, actions)
+                continue
+            if room > 0:
+                actions.append(Admit(model.model_id))
+        if idle is not None and pool:
+            spare = sum(
+                max(1, m.lane.parallel) - m.running
+                for m in family.members
+                if not m.down and (m.loading or m.model_id in turn.loaded)
+            )
+            if pool > spare:
+                self._want_load(idle, actions)
 
     def _want_load(self, model: _Model, actions: list[Action]) -> None:
         if not model.loading:
@@ -926,18 +1099,19 @@ class SchedulerPolicy:
         if model is None:
             return
         model.loading = False
+        model.down = False
         self.sync_table(model)
         group = self._groups.get(model.group_key)
-        if group is not None and group.turn is not None and group.turn.model is model:
-            group.turn.ready = True
+        if group is not None and group.turn is not None and group.turn.holds(model):
+            group.turn.loaded.add(model_id)
 
     def is_turn(self, model_id: str) -> bool:
-        """True while ``model_id`` holds its group's turn."""
+        """True while ``model_id``'s family holds its group's turn."""
         model = self._models.get(model_id)
         if model is None:
             return False
         group = self._groups.get(model.group_key)
-        return group is not None and group.turn is not None and group.turn.model is model
+        return group is not None and group.turn is not None and group.turn.holds(model)
 
     def load_aborted(self, model_id: str) -> None:
         """The load was cancelled (shutdown): no verdict either way."""
@@ -946,27 +1120,75 @@ class SchedulerPolicy:
             model.loading = False
 
     def load_failed(self, model_id: str) -> list[Job]:
-        """``ensure_resident`` raised: the turn's claimed jobs (or its exclusive job)
-        are returned marked FAILED for the caller to fail, and the turn retires so
-        the next request for the model retries."""
+        """``ensure_resident`` raised: the model is down. A replica's queued
+        completions move to a live sibling (see THE POOL); otherwise the turn's
+        claimed jobs are returned marked FAILED for the caller to fail, and the turn
+        retires so the next request for the model retries. An exclusive job of the
+        model fails either way."""
         model = self._models.get(model_id)
         if model is None:
             return []
         model.loading = False
+        model.down = True
+        self.fail_over(model_id)
         group = self._groups.get(model.group_key)
-        if group is None or group.turn is None or group.turn.model is not model:
+        if group is None or group.turn is None or not group.turn.holds(model):
             return []
         turn = group.turn
-        failed = turn.claimed() if turn.exclusive is None else []
-        if turn.exclusive is not None and turn.exclusive.state is JobState.QUEUED:
+        failed: list[Job] = []
+        if turn.exclusive is None:
+            failed = turn.claimed(model)
+        elif turn.exclusive.model_state is model and turn.exclusive.state is JobState.QUEUED:
             failed.append(turn.exclusive)
         for job in failed:
             self._unqueue(job, JobState.FAILED)
-        if model.running == 0:
+        turn.loaded.discard(model_id)
+        if turn.family.running == 0 and not (turn.exclusive is None and turn.head()):
             group.turn = None
-        else:
-            turn.ready = False
         return failed
+
+    def member_unreachable(self, model_id: str) -> int:
+        """``model_id``'s ``/slots`` could not be sampled: a replica is down, and its
+        queued completions move to a live sibling (returns how many; a model of its
+        own waits)."""
+        model = self._models.get(model_id)
+        if model is None or len(model.family.members) == 1:
+            return 0
+        model.down = True
+        return self.fail_over(model_id)
+
+    def member_reachable(self, model_id: str) -> None:
+        """``model_id`` answered again (a sample, or a job routed to it)."""
+        model = self._models.get(model_id)
+        if model is not None:
+            model.down = False
+
+    def is_down(self, model_id: str) -> bool:
+        model = self._models.get(model_id)
+        return model is not None and model.down
+
+    def fail_over(self, model_id: str) -> int:
+        """Move ``model_id``'s queued completions to its live siblings, each to the
+        one with the least work, keeping their queue order; returns how many moved.
+        Nothing moves for a model of its own, or when every sibling is down."""
+        model = self._models.get(model_id)
+        if model is None:
+            return 0
+        live = model.family.live(other_than=model)
+        if not live:
+            return 0
+        moved = 0
+        for job in list(model.queue):
+            target = min(live, key=lambda m: (m.running + m.waiting, m.model_id))
+            self._detach(job)
+            model.waiting -= 1
+            job.model_id = target.model_id
+            job.model_state = target
+            target.insert(job)
+            target.waiting += 1
+            moved += 1
+        self.failovers += moved
+        return moved
 
     # ------------------------------------------------------------------ admission
 
@@ -993,7 +1215,8 @@ class SchedulerPolicy:
         return model.table
 
     def admit(self, model_id: str, measured: SlotMeasurement | None, *, now: float) -> Admission:
-        """Admit jobs of ``model_id``'s turn onto free slots of its table.
+        """Admit jobs of ``model_id``'s turn onto free slots of its table: its own
+        claimed jobs first, then pool jobs of its siblings (see THE POOL).
 
         ``measured`` is a fresh ``/slots`` sample for an external engine (only the
         slots it names idle may be pinned; ``None`` or no ids: nothing is admitted);
@@ -1006,9 +1229,9 @@ class SchedulerPolicy:
             return _NOTHING
         group = self._groups[model.group_key]
         turn = group.turn
-        if group.active or turn is None or turn.model is not model or turn.exclusive is not None:
+        if group.active or turn is None or not turn.holds(model) or turn.exclusive is not None:
             return _NOTHING
-        if not turn.ready:
+        if model_id not in turn.loaded:
             return _NOTHING
         self._absorb(group, turn)
         if turn.head() is None:
@@ -1025,15 +1248,15 @@ class SchedulerPolicy:
             free = [slot for slot in free if slot in named]
         room = min(admission_capacity(max(1, lane.parallel), model.running, measured), len(free))
         if room <= 0:
-            return Admission(poll=model.running == 0)
+            return Admission(poll=model.running == 0 and turn.head_of(model) is not None)
         holders = table.holders() if self.affinity else {}
 
         def wanted(session: str) -> bool:
-            return turn.pending_for(session) is not None
+            return turn.pending_for(model, session) is not None
 
         admitted: list[Job] = []
         while room > 0:
-            job = self._next(turn, holders, now)
+            job = self._next(turn, model, holders, now)
             if job is None:
                 break
             if job.any_slot:
@@ -1045,38 +1268,61 @@ class SchedulerPolicy:
                     table.pin(each, job)
                 admitted.append(job)
                 break
-            pin: int | None = None
-            if job.needs_slot:
-                pin = choose_slot(free, session=job.session, table=table, wanted=wanted)
-                assert pin is not None  # room <= len(free)
-                free.remove(pin)
-                if job.session is not None and table.owner(pin) == job.session:
-                    self.erases_skipped += 1
-            self._start(model, job, pin, now)
+            self._start(model, job, self._pin(job, free, table, wanted), now)
             admitted.append(job)
             room -= 1
+        if room > 0 and len(model.family.members) > 1:
+            for job in turn.movable(model):
+                if room == 0:
+                    break
+                if job.any_slot or job.state is not JobState.QUEUED:
+                    continue
+                self._unqueue_to_running(job)
+                job.model_id = model.model_id
+                job.model_state = model
+                self.pooled += 1
+                self._start(model, job, self._pin(job, free, table, wanted), now, queued=False)
+                admitted.append(job)
+                room -= 1
         return Admission(tuple(admitted))
 
-    def _next(self, turn: _Turn, holders: Mapping[str, list[int]], now: float) -> Job | None:
-        """Affinity: the earliest job whose session holds a slot, else the FIFO head.
+    def _pin(
+        self, job: Job, free: list[int], table: SlotTable, wanted: Callable[[str], bool]
+    ) -> int | None:
+        """The slot ``job`` is pinned to, taken out of ``free`` (None: it uses none)."""
+        if not job.needs_slot:
+            return None
+        pin = choose_slot(free, session=job.session, table=table, wanted=wanted)
+        assert pin is not None  # the caller checked there is room
+        free.remove(pin)
+        if job.session is not None and table.owner(pin) == job.session:
+            self.erases_skipped += 1
+        return pin
 
-        The FIFO head goes first anyway once it has waited ``affinity_max_wait``.
+    def _next(
+        self, turn: _Turn, model: _Model, holders: Mapping[str, list[int]], now: float
+    ) -> Job | None:
+        """Affinity: ``model``'s earliest job whose session holds a slot, else its FIFO
+        head. The FIFO head goes first anyway once it has waited ``affinity_max_wait``.
         """
-        head = turn.head()
+        head = turn.head_of(model)
         if head is not None and now - head.submitted_at >= self.affinity_max_wait:
             return head
         if self.affinity and holders:
             best: Job | None = None
             for session in holders:
-                job = turn.pending_for(session)
+                job = turn.pending_for(model, session)
                 if job is not None and (best is None or job.seq < best.seq):
                     best = job
             if best is not None:
                 return best
         return head
 
-    def _start(self, model: _Model, job: Job, slot: int | None, now: float) -> None:
-        self._unqueue_to_running(job)
+    def _start(
+        self, model: _Model, job: Job, slot: int | None, now: float, *, queued: bool = True
+    ) -> None:
+        if queued:
+            self._unqueue_to_running(job)
         job.slot_id = slot
         job.generation = model.table.generation
         job.admitted_at = now
@@ -1198,7 +1444,7 @@ class SchedulerPolicy:
             waiting_model_ids=waiting_ids,
             running=running,
             last_turn=self._last_turn,
-            turns={k: (g.turn.model.model_id if g.turn else None) for k, g in self._groups.items()},
+            turns={k: (g.turn.family.key if g.turn else None) for k, g in self._groups.items()},
             active=active[0] if active else None,
             active_ops=active,
             loading=tuple(loading),
@@ -1216,6 +1462,7 @@ class SchedulerPolicy:
                 "restored": self.parks_restored,
                 "failed": self.parks_failed,
             },
+            pool={"failovers": self.failovers, "pooled": self.pooled},
             admissions=self.admissions,
             reconciliations=self.reconciliations,
             held_out=self.held_out,

@@ -234,6 +234,10 @@ class SlotTable:
     def handoff_cost(self, slot: int, session: str | None) -> int:
         return self.slots[slot].handoff_cost(session)
 
+    def holds(self, session: str) -> bool:
+        """True when some slot owns ``session``'s KV (O(slots))."""
+        return any(e.content is Content.OWNED and e.session == session for e in self.slots)
+
     def holders(self) -> dict[str, list[int]]:
         """Session -> the slots whose KV it owns, most recently used first."""
         out: dict[str, list[int]] = {}
