@@ -102,6 +102,11 @@ BENCHES = (
     ),
     Bench("soak", _module("soak", "--minutes", "30"), _module("soak", "--quick")),
     Bench(
+        "replica_failover",
+        _module("replica_failover", "--size", "small"),
+        _module("replica_failover", "--before", "3", "--after", "4", "--chats", "4"),
+    ),
+    Bench(
         "replay_weka",
         _replay("weka-small-2x", "--max-sessions", "4", "--targets", "direct,router,gezel"),
         _replay("weka-quick", "--max-sessions", "2", "--targets", "direct,gezel"),

@@ -15,6 +15,11 @@ public id names the set: requests for it are routed to one member by
   (ties: the member given the fewest sessions);
 - a member whose engine has failed is left out until it is ready again; when every
   member is unhealthy, the least-loaded one is tried (its error then says why).
+
+Routing picks where a request queues; the scheduler has the last word (see THE POOL
+in :mod:`gezel_trio.scheduler.policy`): a request with no KV anywhere may be taken by
+a sibling with a free slot first, and a member that goes down hands its queue on.
+The host tells the router where each request really ran (:meth:`ReplicaRouter.rehome`).
 """
 
 from __future__ import annotations
@@ -122,6 +127,20 @@ class ReplicaRouter:
         while len(self._affinity) > MAX_AFFINITIES:
             _, dropped = self._affinity.popitem(last=False)
             self._assigned[dropped] -= 1
+
+    def rehome(self, session: str, member: str, *, lost_kv: bool) -> None:
+        """``session``'s request ran on ``member``, not where it was routed (the
+        scheduler moved it: a sibling with room took it, or its member went down).
+        ``lost_kv``: the member it left held its KV, so it re-prefills (``moved``)."""
+        last = self._affinity.get(session)
+        if last == member:
+            return
+        if lost_kv:
+            self.moved += 1
+        if last is not None:
+            self.routed[last] = self.routed.get(last, 1) - 1
+        self.routed[member] = self.routed.get(member, 0) + 1
+        self._assign(session, member, last)
 
     def member_of(self, session: str) -> str | None:
         """The member ``session`` was last sent to (None: never routed)."""

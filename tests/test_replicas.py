@@ -15,7 +15,7 @@ from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.supervisor import EngineState
 from gezel_trio.replicas import MemberView, ReplicaRouter, expand_replicas
 
-from ._engine_bin import open_llama_server
+from ._engine_bin import llama_server_command, open_llama_server, run_llama_server
 from .conftest import make_config, running
 
 
@@ -164,8 +164,51 @@ async def test_a_replica_set_keeps_sessions_spreads_load_and_survives_a_lost_rep
                         "/completion", json=_body(prompts[session], f"new-{session}")
                     )
                     assert r.status_code == 200 and r.json()["timings"]["cache_n"] == 0
+                # it comes back on its port: the host probes it and routes to it again
+                port = int(one.base_url.rsplit(":", 1)[1])
+                binary_env = llama_server_command()[1]
+                log_path = state_dir.parent / "revived.log"
+                async with run_llama_server(one.argv, binary_env, log_path, port=port):
+                    with trio.fail_after(30):
+                        await lost_rt.engine.state.wait_value(EngineState.READY)
+                    assert host.scheduler is not None
+                    assert not host.scheduler.policy.is_down(lost)
+                    before = host.routers["tiny"].routed.get(lost, 0)
+                    async with trio.open_nursery() as nursery:
+                        for i in range(6):
+                            nursery.start_soon(keyless, i)
+                    assert host.routers["tiny"].routed.get(lost, 0) > before
                 status = (await client.get("/api/status")).json()
                 assert status["replicas"]["tiny"]["members"] == members
+                metrics = (await client.get("/metrics")).text
+                for member in members:  # per replica
+                    assert f'gezel_replica_routed_total{{member="{member}",model="tiny"}}' in (
+                        metrics
+                    )
+                moved = host.routers["tiny"].moved
+                assert f'gezel_replica_sessions_moved_total{{model="tiny"}} {moved:.1f}' in metrics
+                assert 'gezel_replica_jobs_moved_total{why="failovers"}' in metrics
                 assert {e["model"]: e["replica_of"] for e in status["engines"]} == dict.fromkeys(
                     members, "tiny"
                 )
+
+
+async def test_killing_a_replica_mid_replay_loses_nothing_that_had_not_reached_it(
+    tiny_model: Path,
+) -> None:
+    """The failover benchmark's scenario, short: chats and keyless clients on three
+    replicas (one spawned, two plain llama-servers), one external replica SIGKILLed
+    mid-run."""
+    from benchmarks.replica_failover import run
+
+    with trio.fail_after(180):
+        out = await run(tiny_model, before=3.0, after=5.0, chats=6)
+    assert out["requests"] > 50
+    assert out["failed"] <= out["reached"], out["failures"]  # only what had reached it
+    assert out["lost"] == 0 and out["late_failures"] == 0
+    assert out["chats_on_killed_replica"], "no chat lived on the killed replica"
+    assert out["chats_never_served_elsewhere"] == []  # its chats moved ...
+    assert out["chats_moved"] >= len(out["chats_on_killed_replica"])  # ... and were counted
+    assert out["cross_session_tokens"] == 0  # nobody got another chat's KV
+    served = {m: n for m, n in out["routed"].items() if n}
+    assert len(served) == 3  # every replica served before the kill

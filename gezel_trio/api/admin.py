@@ -11,7 +11,7 @@ from quart import Blueprint, Response, current_app, request
 
 from ..config import Config, GpuPolicySetting, LogLevel, _coerce, validate
 from ..errors import ConfigError, FieldError
-from ..host import Host
+from ..host import Host, ModelRuntime
 from ..host.catalog import reload
 from .errors import json_response
 from .validation import read_json_object
@@ -60,22 +60,38 @@ async def logs(model_id: str) -> Response:
     return json_response({"model": rt.id, "lines": log_ring.tail(n), "next": log_ring.total})
 
 
+def _targets(host: Host, model_id: str) -> list[ModelRuntime]:
+    """The engines an admin call on ``model_id`` acts on: every member of a replicated
+    model (in order), else the one model (404 for an unknown id)."""
+    return host.replica_members(model_id) or [host.resolve_model(model_id)]
+
+
+def _answer(done: list[dict[str, Any]]) -> Response:
+    """One engine's answer as it is; several (a replicated model) as ``members``."""
+    return json_response(done[0] if len(done) == 1 else {"members": done})
+
+
 @bp.post("/api/models/<model_id>/load")
 async def load(model_id: str) -> Response:
     """Make the model resident as a request would (in swap mode this evicts the others,
-    their sessions parked first) and wait until its engine is ready."""
-    host = _host()
-    rt = host.resolve_model(model_id)
-    await rt.ensure_resident()
-    return json_response({"model": rt.id, "state": rt.engine.state.value.value})
+    their sessions parked first) and wait until its engine is ready; every member of
+    a replicated model, one after another."""
+    done = []
+    for rt in _targets(_host(), model_id):
+        await rt.ensure_resident()
+        done.append({"model": rt.id, "state": rt.engine.state.value.value})
+    return _answer(done)
 
 
 @bp.post("/api/models/<model_id>/unload")
 async def unload(model_id: str) -> Response:
-    host = _host()
-    rt = host.resolve_model(model_id)
-    await rt.engine.stop()
-    return json_response({"model": rt.id, "state": rt.engine.state.value.value})
+    """Stop the model's engine (every member's, for a replicated model), its sessions
+    parked first."""
+    done = []
+    for rt in _targets(_host(), model_id):
+        await rt.engine.stop()
+        done.append({"model": rt.id, "state": rt.engine.state.value.value})
+    return _answer(done)
 
 
 @bp.post("/api/reload")
@@ -88,15 +104,20 @@ async def reload_config() -> Response:
 
 @bp.post("/api/models/<model_id>/calibrate")
 async def calibrate(model_id: str) -> Response:
-    """Run the co-batch calibration now, as an exclusive operation; answer its result."""
+    """Run the co-batch calibration now, as an exclusive operation; answer its result.
+    A replicated model calibrates each engine the host runs, one at a time, every
+    replica drained for each (external members are not calibrated by this host)."""
     host = _host()
-    rt = host.resolve_model(model_id)
-    if rt.config.external:
+    targets = [rt for rt in _targets(host, model_id) if not rt.config.external]
+    if not targets:
         raise FieldError("model_id", "an external engine is not calibrated by this host")
-    result = await host.calibrate(rt)
-    return json_response(
-        {"model": rt.id, "admission_ceiling": rt.parallel, "reason": rt.ceiling_reason, **result}
-    )
+    done = []
+    for rt in targets:
+        result = await host.calibrate(rt)
+        done.append(
+            {"model": rt.id, "admission_ceiling": rt.parallel, "reason": rt.ceiling_reason} | result
+        )
+    return _answer(done)
 
 
 @bp.post("/api/models/<model_id>/benchmark")

@@ -79,7 +79,7 @@ def upstream_body(body: dict[str, Any], grant: Grant) -> dict[str, Any]:
 def requested_model(body: dict[str, Any], runtime: ModelRuntime) -> str:
     """The model name the client sent (the runtime's id when it sent none)."""
     named = body.get("model")
-    return named if isinstance(named, str) and named else runtime.id
+    return named if isinstance(named, str) and named else runtime.config.replica_of or runtime.id
 
 
 class ModelRename:
@@ -158,9 +158,8 @@ async def proxy_completion(host: Host, body: dict[str, Any], path: str, *, kind:
     session = session_of(body)
     runtime = host.resolve_model(body.get("model"), session=session)
     _check_limits(runtime, body)
-    rename = ModelRename(
-        requested_model(body, runtime), None if runtime.config.external else runtime.id
-    )
+    spawned_alias = not runtime.config.external and runtime.config.replica_of is None
+    rename = ModelRename(requested_model(body, runtime), runtime.id if spawned_alias else None)
     if body.get("stream") is True:
         return await _stream(host, runtime, body, path, session, rename)
     return await _unary(host, runtime, body, path, session, rename)
@@ -184,7 +183,7 @@ async def _unary(
     shape = shape_of(path)
     for attempt in (1, 2):
         try:
-            async with host.slot(runtime, session=session) as grant:
+            async with host.completion_slot(runtime, session=session) as (runtime, grant):
                 status, content_type, content = await _assembled(
                     runtime,
                     path,
@@ -325,15 +324,15 @@ async def _stream(
     guarded = StallGuard(send, host.config.server.stream_stall_timeout)
     scope = trio.CancelScope()
     body_started = trio.Event()
-    outcome: dict[str, Any] = {"error": None, "grant": None}
+    outcome: dict[str, Any] = {"error": None, "grant": None, "runtime": runtime}
 
     async def runner() -> None:
         async with send:
             with scope:
                 try:
-                    async with host.slot(runtime, session=session) as grant:
-                        outcome["grant"] = grant
-                        await runtime.client.stream(
+                    async with host.completion_slot(runtime, session=session) as (member, grant):
+                        outcome["grant"], outcome["runtime"] = grant, member
+                        await member.client.stream(
                             path, upstream_body(body, grant), guarded, slot=grant.slot_id
                         )
                 except GezelError as exc:
@@ -374,7 +373,7 @@ async def _stream(
                 err = outcome["error"] or EngineCrashed(
                     "the engine closed the stream before answering"
                 )
-                _note_for_log(runtime, session, outcome["grant"])
+                _note_for_log(outcome["runtime"], session, outcome["grant"])
                 return response_for(err)
         if first is None:
             # Still queued or loading: commit to a 200 stream and keep the client (and
@@ -386,12 +385,12 @@ async def _stream(
         if isinstance(first, bytes):
             # The error event of a job that failed before the engine answered.
             err = outcome["error"] or EngineCrashed("the engine failed before answering")
-            _note_for_log(runtime, session, outcome["grant"])
+            _note_for_log(outcome["runtime"], session, outcome["grant"])
             return response_for(err)
         head = first
         if head.status != 200:
             chunks = [c async for c in recv if isinstance(c, bytes)]
-            _note_for_log(runtime, session, outcome["grant"])
+            _note_for_log(outcome["runtime"], session, outcome["grant"])
             return Response(b"".join(chunks), status=head.status, content_type=head.content_type)
 
         async def body_iter() -> AsyncIterator[bytes]:
@@ -426,7 +425,7 @@ async def _stream(
             scope.cancel()
             recv.close()
 
-        _note_for_log(runtime, session, outcome["grant"])
+        _note_for_log(outcome["runtime"], session, outcome["grant"])
         resp = Response(
             body_iter(),
             status=200,
@@ -504,7 +503,7 @@ def _waiting_stream(
         finally:
             scope.cancel()
             # the request's log line is written after the body: give it the grant now
-            fields.update(_log_fields(runtime, session, outcome["grant"]))
+            fields.update(_log_fields(outcome["runtime"], session, outcome["grant"]))
 
     async def body_must_start() -> None:
         with trio.move_on_after(host.config.server.stream_start_timeout):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Collection
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from ..config import Config
 from ..engine.argv import last_arg_value
 from ..engine.speed import measure_speed
 from ..engine.supervisor import EngineState, default_slot_save_dir
-from ..errors import ConfigError, ModelLocked, UnknownModel
+from ..errors import ConfigError, EngineCrashed, EngineFailed, ModelLocked, NoCapacity, UnknownModel
 from ..gpu.arbiter import GpuArbiter, resolve_policy
 from ..gpu.health import DeviceSafetyPolicy, HealthGate
 from ..gpu.ledger import (
@@ -43,6 +43,7 @@ from ..gpu.probe import NvmlProbe, Probe
 from ..kvstore import KvStore, default_budget
 from ..replicas import MemberView, ReplicaRouter
 from ..scheduler import (
+    Grant,
     JobKind,
     Scheduler,
     SchedulerSettings,
@@ -56,7 +57,7 @@ from .catalog import open_model, serve_models_dir, wanted_models
 from .metrics import Metrics
 from .placement import EngineResolver
 from .runtime import ModelRuntime
-from .watchers import serve_device_health, serve_memory_pressure
+from .watchers import serve_device_health, serve_memory_pressure, serve_replica_revival
 
 log = logging.getLogger("gezel_trio.host")
 
@@ -194,16 +195,19 @@ class Host:
             load = rt.engine.busy
             if stats is not None:
                 load += stats.running.get(rt.id, 0) + stats.waiting.get(rt.id, 0)
-            holds = False
-            if session is not None:
-                if self.scheduler is not None:
-                    holds = session in self.scheduler.policy.table(rt.id).holders()
-                if not holds and self.kv is not None:
-                    holds = self.kv.entry(rt.id, session) is not None
+            holds = session is not None and self._holds(rt, session)
             healthy = rt.engine.state.value is not EngineState.FAILED
+            if self.scheduler is not None and self.scheduler.policy.is_down(rt.id):
+                healthy = False  # its load failed or it cannot be reached: until revived
             views.append(MemberView(rt.id, healthy, load, holds))
         chosen = router.choose(views, session, avoid=avoid)
         return self.models[chosen]
+
+    def _holds(self, runtime: ModelRuntime, session: str) -> bool:
+        """``runtime`` holds ``session``'s KV, in a slot or parked."""
+        if self.scheduler is not None and self.scheduler.policy.table(runtime.id).holds(session):
+            return True
+        return self.kv is not None and self.kv.entry(runtime.id, session) is not None
 
     # -------------------------------------------------------------- running jobs
 
@@ -215,9 +219,11 @@ class Host:
         kind: JobKind = "completion",
         any_slot: bool = False,
         needs_slot: bool = True,
+        pool: bool = False,
     ) -> SlotRequest:
         """``async with host.slot(runtime, session=...) as grant``: hold a slot of
-        ``runtime``'s engine for the block (see :meth:`Scheduler.slot`).
+        ``runtime``'s engine for the block (see :meth:`Scheduler.slot`; ``pool``: a
+        replica's job that any sibling may take).
 
         The block runs once the model is resident, its turn has come and the slot
         is prepared; the engine is held (no idle or pressure release) from
@@ -227,8 +233,59 @@ class Host:
         """
         assert self.scheduler is not None, "the host is not open"
         return self.scheduler.slot(
-            runtime.id, session=session, kind=kind, any_slot=any_slot, needs_slot=needs_slot
+            runtime.id,
+            session=session,
+            kind=kind,
+            any_slot=any_slot,
+            needs_slot=needs_slot,
+            pool=pool,
         )
+
+    @asynccontextmanager
+    async def completion_slot(
+        self, runtime: ModelRuntime, *, session: str | None = None
+    ) -> AsyncIterator[tuple[ModelRuntime, Grant]]:
+        """``async with host.completion_slot(runtime, session=s) as (member, grant)``:
+        :meth:`slot` for a completion, across a replicated model's members.
+
+        ``member`` is the engine the grant is on: for a replica, another member than
+        ``runtime`` when the scheduler moved the job (a sibling with a free slot
+        took a job whose session has no KV anywhere, or ``runtime`` went down and
+        handed its queue on). When the slot cannot be had because the engine
+        failed (it could not be started, reached or made safe: nothing was sent),
+        the request queues again on another member that has not failed it, until
+        none is left; then the last error is raised. Cancellation behaves as
+        :meth:`slot`.
+        """
+        public = runtime.config.replica_of
+        tried: set[str] = set()
+        held = public is not None and session is not None and self._holds(runtime, session)
+        async with AsyncExitStack() as stack:
+            while True:
+                pool = public is not None and (session is None or not self._holds(runtime, session))
+                try:
+                    grant = await stack.enter_async_context(
+                        self.slot(runtime, session=session, pool=pool)
+                    )
+                    break
+                except (EngineFailed, EngineCrashed, NoCapacity) as exc:
+                    if public is None:
+                        raise
+                    tried.add(runtime.id)
+                    if all(m.id in tried for m in self.replica_members(public)):
+                        raise
+                    log.info(
+                        "replica %s failed before the request reached it (%s): queueing "
+                        "it on another",
+                        runtime.id,
+                        exc.message,
+                    )
+                    runtime = self.resolve_model(public, session=session, avoid=tried)
+            member = self.models.get(grant.model_id, runtime)
+            if public is not None and session is not None and member is not runtime:
+                router = self.routers.setdefault(public, ReplicaRouter())
+                router.rehome(session, member.id, lost_kv=held)
+            yield member, grant
 
     async def calibrate(self, runtime: ModelRuntime) -> dict[str, Any]:
         """Run the co-batch calibration now (an exclusive operation); returns its result."""
@@ -453,6 +510,15 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
                     for rt in list(host.models.values()):
                         if not rt.config.external:
                             await tasks.start(serve_calibration, host.calibrator(), rt)
+                    await tasks.start(
+                        partial(
+                            serve_replica_revival,
+                            host.models,
+                            scheduler,
+                            interval=config.engine.health_interval * 4,
+                            probe_within=config.engine.load_timeout,
+                        )
+                    )
                     await tasks.start(serve_models_dir, host)
                     await tasks.start(serve_activity, host)
                     host.serving = True

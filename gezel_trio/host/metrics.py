@@ -244,6 +244,7 @@ def _families(status: Mapping[str, Any]) -> Iterator[Metric]:
             "gezel_uptime_seconds", "Seconds since the host started.", value=uptime
         )
     yield from _scheduler_families(_mapping(status.get("scheduler")))
+    yield from _replica_families(_mapping(status.get("replicas")))
     yield from _engine_families(status.get("engines"))
     yield from _gpu_families(_mapping(status.get("gpu")))
     yield from _calibration_families(status)
@@ -294,6 +295,19 @@ def _scheduler_families(sched: Mapping[str, Any]) -> Iterator[Metric]:
             if v is not None:
                 fam_c.add_metric([str(result)], v)
         yield fam_c
+    pool = _mapping(sched.get("pool"))
+    if pool:
+        fam_p = CounterMetricFamily(
+            "gezel_replica_jobs_moved",
+            "Queued jobs a replica did not run itself: failover (it went down) or pooled "
+            "(a sibling with a free slot took it).",
+            labels=["why"],
+        )
+        for why, n in pool.items():
+            v = _num(n)
+            if v is not None:
+                fam_p.add_metric([str(why)], v)
+        yield fam_p
     owners = _mapping(sched.get("slot_owners"))
     if owners:
         fam = GaugeMetricFamily(
@@ -302,6 +316,33 @@ def _scheduler_families(sched: Mapping[str, Any]) -> Iterator[Metric]:
         for model, slots in owners.items():
             fam.add_metric([str(model)], float(sum(1 for o in _mapping(slots).values() if o)))
         yield fam
+
+
+def _replica_families(replicas: Mapping[str, Any]) -> Iterator[Metric]:
+    """Per replicated model: requests routed to each member, and chats moved."""
+    if not replicas:
+        return
+    routed = CounterMetricFamily(
+        "gezel_replica_routed",
+        "Requests of a replicated model that ran on each member.",
+        labels=["model", "member"],
+    )
+    moved = CounterMetricFamily(
+        "gezel_replica_sessions_moved",
+        "Chats sent to another member than the one holding their KV (they re-prefill).",
+        labels=["model"],
+    )
+    for model, info in replicas.items():
+        info = _mapping(info)
+        for member, n in _mapping(info.get("routed")).items():
+            v = _num(n)
+            if v is not None:
+                routed.add_metric([str(model), str(member)], v)
+        v = _num(info.get("moved"))
+        if v is not None:
+            moved.add_metric([str(model)], v)
+    yield routed
+    yield moved
 
 
 def _engine_families(engines: object) -> Iterator[Metric]:

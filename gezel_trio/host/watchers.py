@@ -1,4 +1,4 @@
-"""The host's background watchers: memory pressure and device health."""
+"""The host's background watchers: memory pressure, device health, failed replicas."""
 
 from __future__ import annotations
 
@@ -7,10 +7,13 @@ from collections.abc import Awaitable, Callable, Mapping
 
 import trio
 
+from ..engine.supervisor import EngineState
+from ..errors import GezelError
 from ..gpu.arbiter import GpuArbiter
+from ..scheduler import Scheduler
 from .runtime import ModelRuntime
 
-__all__ = ["serve_device_health", "serve_memory_pressure"]
+__all__ = ["serve_device_health", "serve_memory_pressure", "serve_replica_revival"]
 
 log = logging.getLogger("gezel_trio.host")
 
@@ -62,3 +65,48 @@ async def serve_device_health(
     while True:
         await trio.sleep(5)
         await refresh()
+
+
+async def serve_replica_revival(
+    models: Mapping[str, ModelRuntime],
+    scheduler: Scheduler,
+    *,
+    interval: float,
+    probe_within: float,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Bring failed replicas back into their set. Every ``interval`` seconds each
+    member of a replicated model whose engine failed, or that the scheduler holds
+    down, is tried in the background: made resident (an external one is probed, a
+    spawned one restarted, within its supervisor's backoff) and, for an external
+    one, its ``/slots`` sampled, all within ``probe_within``. A member that passes is routed
+    to again. Requests
+    never wait for this: the router leaves failed members out meanwhile. Runs until
+    cancelled; probes under way are cancelled with it.
+    """
+    task_status.started()
+    probing: set[str] = set()
+
+    async def probe(rt: ModelRuntime) -> None:
+        try:
+            with trio.move_on_after(probe_within):
+                await rt.ensure_resident()
+                if rt.config.external:
+                    await rt.measure_slots()
+                log.info("replica %s answers again: routed to again", rt.id)
+                scheduler.member_reachable(rt.id)
+        except GezelError as exc:
+            log.debug("replica %s still fails: %s", rt.id, exc.message)
+        finally:
+            probing.discard(rt.id)
+
+    async with trio.open_nursery() as nursery:
+        while True:
+            await trio.sleep(interval)
+            for rt in list(models.values()):
+                if rt.config.replica_of is None or rt.id in probing:
+                    continue
+                failed = rt.engine.state.value is EngineState.FAILED
+                if failed or scheduler.policy.is_down(rt.id):
+                    probing.add(rt.id)
+                    nursery.start_soon(probe, rt)
