@@ -107,6 +107,11 @@ BENCHES = (
         _module("replica_failover", "--before", "3", "--after", "4", "--chats", "4"),
     ),
     Bench(
+        "rpc_overhead",
+        _module("rpc_overhead"),
+        _module("rpc_overhead", "--size", "tiny", "--runs", "2", "--n-predict", "16"),
+    ),
+    Bench(
         "replay_weka",
         _replay("weka-small-2x", "--max-sessions", "4", "--targets", "direct,router,gezel"),
         _replay("weka-quick", "--max-sessions", "2", "--targets", "direct,gezel"),
