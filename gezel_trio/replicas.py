@@ -86,6 +86,11 @@ class ReplicaRouter:
         self.routed: dict[str, int] = {}
         self.moved = 0
         """Sessions sent to another member than the one holding (or last given) them."""
+        self.returns = 0
+        """Keyed requests of a session that was routed before."""
+        self.kept = 0
+        """Of those, the ones that ran on the member the session's last request ran on."""
+        self._kept_now: set[str] = set()  # sessions whose latest request counted in kept
 
     def __repr__(self) -> str:
         return f"<ReplicaRouter {len(self._affinity)} sessions, {self.moved} moved>"
@@ -113,6 +118,12 @@ class ReplicaRouter:
             previous = last or next((m.id for m in members if m.holds), None)
             if previous is not None and previous != chosen:
                 self.moved += 1
+            self._kept_now.discard(session)
+            if last is not None:
+                self.returns += 1
+                if chosen == last:
+                    self.kept += 1
+                    self._kept_now.add(session)
             self._assign(session, chosen, last)
         self.routed[chosen] = self.routed.get(chosen, 0) + 1
         return chosen
@@ -125,8 +136,9 @@ class ReplicaRouter:
         self._affinity[session] = member
         self._affinity.move_to_end(session)
         while len(self._affinity) > MAX_AFFINITIES:
-            _, dropped = self._affinity.popitem(last=False)
+            gone, dropped = self._affinity.popitem(last=False)
             self._assigned[dropped] -= 1
+            self._kept_now.discard(gone)
 
     def rehome(self, session: str, member: str, *, lost_kv: bool) -> None:
         """``session``'s request ran on ``member``, not where it was routed (the
@@ -137,6 +149,9 @@ class ReplicaRouter:
             return
         if lost_kv:
             self.moved += 1
+        if session in self._kept_now:
+            self._kept_now.discard(session)
+            self.kept -= 1
         if last is not None:
             self.routed[last] = self.routed.get(last, 1) - 1
         self.routed[member] = self.routed.get(member, 0) + 1
@@ -147,4 +162,11 @@ class ReplicaRouter:
         return self._affinity.get(session)
 
     def statistics(self) -> dict[str, object]:
-        return {"routed": dict(self.routed), "moved": self.moved, "sessions": len(self._affinity)}
+        return {
+            "routed": dict(self.routed),
+            "moved": self.moved,
+            "sessions": len(self._affinity),
+            "returns": self.returns,
+            "kept": self.kept,
+            "affinity_hit_rate": round(self.kept / self.returns, 4) if self.returns else None,
+        }

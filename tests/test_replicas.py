@@ -53,6 +53,12 @@ def test_router_keeps_sessions_and_spreads_keyless_load() -> None:
     assert router.choose(views, None, avoid={"b"}) == "c"
     dead = [MemberView("a", False, 2), MemberView("b", False, 1)]
     assert router.choose(dead, None) == "b"  # none healthy: try the least loaded
+    # s1 came back 3 times (b, then c twice), s2 never: kept on c once
+    assert (router.returns, router.kept) == (3, 2)
+    router.rehome("s1", "a", lost_kv=True)  # the scheduler ran it elsewhere after all
+    assert (router.returns, router.kept, router.moved) == (3, 1, 2)
+    assert router.member_of("s1") == "a"
+    assert router.statistics()["affinity_hit_rate"] == round(1 / 3, 4)
 
 
 def _body(prompt: list[int], session: str | None) -> dict[str, Any]:

@@ -188,7 +188,30 @@ def markdown_report(report: Mapping[str, Any]) -> str:
     compare = report.get("compare")
     if compare and compare.get("base"):
         lines += ["", compare_table(report, markdown=True)]
+    lines += _replica_lines(report["targets"])
     return "\n".join(lines) + "\n"
+
+
+def _replica_lines(targets: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Per gezel target with a replicated model: where its requests ran, and how often a
+    returning chat ran where it ran before (the affinity hit rate)."""
+    out: list[str] = []
+    for t in targets:
+        replicas = (t.get("description") or {}).get("host_replicas")
+        if not isinstance(replicas, Mapping):
+            continue
+        for model, info in replicas.items():
+            if not isinstance(info, Mapping):
+                continue
+            rate = info.get("affinity_hit_rate")
+            routed = ", ".join(f"{m} {n}" for m, n in sorted((info.get("routed") or {}).items()))
+            out.append(
+                f"- `{t['name']}` replicas of `{model}`: ran on {routed or 'none'}; "
+                f"returning chats on their replica "
+                f"{'n/a' if rate is None else f'{100 * rate:.1f}%'} "
+                f"({info.get('kept')} of {info.get('returns')}); moved {info.get('moved')}"
+            )
+    return ["", *out] if out else []
 
 
 def compare_table(report: Mapping[str, Any], *, markdown: bool = False) -> str:
