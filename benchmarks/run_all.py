@@ -103,7 +103,7 @@ BENCHES = (
     Bench("soak", _module("soak", "--minutes", "30"), _module("soak", "--quick")),
     Bench(
         "replica_failover",
-        _module("replica_failover", "--size", "small"),
+        _module("replica_failover", "--size", "small", "--repeats", "3"),
         _module("replica_failover", "--before", "3", "--after", "4", "--chats", "4"),
     ),
     Bench(
