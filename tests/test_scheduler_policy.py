@@ -684,8 +684,8 @@ def test_with_every_replica_down_their_jobs_fail_as_one_models_would() -> None:
 def test_an_unreachable_replica_hands_its_queue_on_and_comes_back_when_routed_to() -> None:
     d = _replicas("m@0", "m@1", residency="coexist")
     queued = [d.submit("m@0", "s1")]
-    assert d.policy.member_unreachable("m@0") == 1
+    assert d.policy.member_down("m@0") == 1
     assert queued[0].model_id == "m@1" and d.policy.is_down("m@0")
-    assert d.policy.member_unreachable("x") == 0  # unknown: nothing
+    assert d.policy.member_down("x") == 0  # unknown: nothing
     d.submit("m@0")  # the router saw it healthy again: it gets a try
     assert not d.policy.is_down("m@0")

@@ -484,8 +484,14 @@ class Scheduler:
         """
         if not job.exclusive and not lane.ready:
             # The engine went away after admission (a crash): restart it lazily
-            # rather than fail a request the engine never saw.
-            await lane.ensure_resident()
+            # rather than fail a request the engine never saw. If that fails, a
+            # replica hands the rest of its queue on before this job fails.
+            try:
+                await lane.ensure_resident()
+            except GezelError:
+                if self._policy.member_down(job.model_id):
+                    self._wake()
+                raise
         calls = 0
         erased = False
         restored = 0
@@ -872,7 +878,7 @@ class Scheduler:
         if failure is None:
             failure = f"timed out after {timeout}s"
         self._policy.note_measurement(ok=False)
-        moved = self._policy.member_unreachable(model_id)
+        moved = self._policy.member_down(model_id)
         if moved:
             log.warning("%s is unreachable: %d queued jobs moved to its replicas", model_id, moved)
         if model_id not in self._measure_failing:  # say it once, not on every pass

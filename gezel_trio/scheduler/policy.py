@@ -1147,10 +1147,11 @@ class SchedulerPolicy:
             group.turn = None
         return failed
 
-    def member_unreachable(self, model_id: str) -> int:
-        """``model_id``'s ``/slots`` could not be sampled: a replica is down, and its
-        queued completions move to a live sibling (returns how many; a model of its
-        own waits)."""
+    def member_down(self, model_id: str) -> int:
+        """``model_id`` failed outside a load (its ``/slots`` could not be sampled, or
+        its engine could not be restarted for an admitted job): a replica is down, and
+        its queued completions move to a live sibling (returns how many; a model of its
+        own keeps them)."""
         model = self._models.get(model_id)
         if model is None or len(model.family.members) == 1:
             return 0
