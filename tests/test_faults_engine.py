@@ -197,6 +197,59 @@ async def test_sigkill_while_queued_requests_wait(
             await _expect_recovers(host, client, pid)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_request_the_engine_died_before_answering_is_sent_again(
+    models_dir: Path, state_dir: Path, engine_binary: EngineBinary, stream: bool
+) -> None:
+    """SIGKILL during the prefill of a long prompt, before any token: nothing of the answer
+    reached the client, so the host sends the request again to the restarted engine, and
+    the client gets a whole answer (a stream ends with [DONE])."""
+    from gezel_trio.engine.demo_model import write_demo_model
+
+    small = write_demo_model(models_dir / "small.gguf", size="small")
+    model = ModelConfig(id="small", path=str(small), parallel=1, ctx_per_slot=4096)
+    body = {"model": "small", "prompt": [300 + i % 300 for i in range(3000)], "n_predict": 4}
+    with trio.fail_after(120):
+        async with running(_cfg([model], state_dir, engine_binary)) as (host, client):
+            engine = host.models["small"].engine
+            await _warm(client, "small")
+            pid, base_url = engine.pid, engine.base_url
+            assert pid is not None and base_url is not None
+            outcome: dict[str, Any] = {}
+
+            async def send() -> None:
+                if not stream:
+                    outcome["resp"] = await client.post("/completion", json=body)
+                    return
+                async with client.stream(
+                    "POST", "/completion", json={**body, "stream": True}
+                ) as resp:
+                    outcome["resp"] = resp
+                    outcome["lines"] = [line async for line in resp.aiter_lines() if line]
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(send)
+                # its prefill runs (about a second on this model): kill before any token
+                await wait_until(
+                    lambda: _one_busy(base_url), within=10, interval=0.01, what="prefill"
+                )
+                os.kill(pid, signal.SIGKILL)
+            resp = outcome["resp"]
+            assert resp.status_code == 200
+            if stream:
+                events = [json.loads(line[6:]) for line in outcome["lines"]]
+                assert not any("error" in e for e in events), events[-1]
+                assert events[-1].get("stop") is True
+            else:
+                assert resp.json()["tokens_predicted"] == 4, resp.text
+            assert engine.starts == 2 and engine.pid != pid  # on the restarted engine
+            await wait_nothing_held(host)
+
+
+async def _one_busy(base_url: str) -> bool:
+    return len(await slots_busy(base_url)) == 1
+
+
 def _running(host: Host) -> int:
     assert host.scheduler is not None
     return sum(host.scheduler.statistics().running.values())

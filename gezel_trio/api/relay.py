@@ -290,18 +290,34 @@ def _dumps(value: Any) -> bytes:
 
 class StallGuard:
     """The relay channel's sending end, with a stall timeout: a client that stops
-    reading for ``stall_s`` (the channel stays full) is treated as gone."""
+    reading for ``stall_s`` (the channel stays full) is treated as gone.
 
-    __slots__ = ("_channel", "_stall_s")
+    It passes on one head: a stream sent again after its engine died before any
+    event brings a second one, which is dropped when it is a 200 like the first (the
+    client goes on reading the same response) and is an error otherwise."""
+
+    __slots__ = ("_channel", "_head", "_stall_s", "events")
 
     def __init__(self, channel: trio.MemorySendChannel[UpstreamHead | bytes], stall_s: float):
         self._channel = channel
         self._stall_s = stall_s
+        self._head: UpstreamHead | None = None
+        self.events = 0
+        """Chunks of the answer handed on so far (0: the client has none of it)."""
 
     async def send(self, value: UpstreamHead | bytes, /) -> None:
-        """Raises BrokenResourceError after ``stall_s`` without room in the channel."""
+        """Raises BrokenResourceError after ``stall_s`` without room in the channel,
+        EngineFailed for a second head that is not a 200."""
+        if isinstance(value, UpstreamHead):
+            if self._head is not None:
+                if value.status == 200 and self._head.status == 200:
+                    return
+                raise EngineFailed(f"the engine answered {value.status} when sent again")
+            self._head = value
         with trio.move_on_after(self._stall_s):
             await self._channel.send(value)
+            if not isinstance(value, UpstreamHead):
+                self.events += 1
             return
         raise trio.BrokenResourceError(f"the client read nothing for {self._stall_s:g}s")
 
@@ -319,7 +335,12 @@ async def _stream(
     upstream connection with it) when the stream ends, when the client leaves or
     stops reading for ``stream_stall_timeout``, or when the body has not started
     ``stream_start_timeout`` after the head was handed over (the client left
-    before the server could start it, so the body's own cleanup never runs)."""
+    before the server could start it, so the body's own cleanup never runs).
+
+    When the engine dies before the client saw any of the answer's events, the
+    request is sent again, once: to another replica of a replicated model, else to
+    the restarted engine.
+    """
     send, recv = trio.open_memory_channel[UpstreamHead | bytes](32)
     guarded = StallGuard(send, host.config.server.stream_stall_timeout)
     scope = trio.CancelScope()
@@ -330,11 +351,7 @@ async def _stream(
         async with send:
             with scope:
                 try:
-                    async with host.completion_slot(runtime, session=session) as (member, grant):
-                        outcome["grant"], outcome["runtime"] = grant, member
-                        await member.client.stream(
-                            path, upstream_body(body, grant), guarded, slot=grant.slot_id
-                        )
+                    await _stream_into(host, runtime, body, path, session, guarded, outcome)
                 except GezelError as exc:
                     outcome["error"] = exc
                 except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
@@ -448,6 +465,46 @@ QUEUE_WAIT_HEADER = "X-Gezel-Queue-Wait-Ms"
 
 def _wait_header(grant: Grant | None) -> dict[str, str]:
     return {} if grant is None else {QUEUE_WAIT_HEADER: f"{grant.queue_wait_s * 1000:.1f}"}
+
+
+async def _stream_into(
+    host: Host,
+    runtime: ModelRuntime,
+    body: dict[str, Any],
+    path: str,
+    session: str | None,
+    guarded: StallGuard,
+    outcome: dict[str, Any],
+) -> None:
+    """Relay one stream into ``guarded``, holding its slot; ``outcome`` gets the grant
+    and the member it ran on. Sent again once when the engine went away before
+    ``guarded`` passed anything on. Raises the project's errors; cancellation exits
+    the slot and closes the upstream stream."""
+    for attempt in (1, 2):
+        outcome["grant"] = None
+        try:
+            async with host.completion_slot(runtime, session=session) as (member, grant):
+                outcome["grant"], outcome["runtime"] = grant, member
+                await member.client.stream(
+                    path, upstream_body(body, grant), guarded, slot=grant.slot_id
+                )
+            return
+        except EngineCrashed:
+            granted: Grant | None = outcome["grant"]
+            member = outcome["runtime"]
+            if attempt == 2 or guarded.events or granted is None:
+                raise
+            if not await _engine_went_away(member, granted):
+                raise
+            log.info(
+                "the engine died before answering: sending the stream again",
+                extra={"fields": {"model": member.id, "session": session_hash(session)}},
+            )
+            runtime = member
+            if member.config.replica_of is not None:  # to another replica, if one is left
+                runtime = host.resolve_model(
+                    member.config.replica_of, session=session, avoid={member.id}
+                )
 
 
 def _waiting_stream(
