@@ -162,6 +162,13 @@ def test_wheel_is_skipped_on_a_cpu_without_avx512(
     assert found.launch_env({})["LD_LIBRARY_PATH"] == str(tmp_path)
 
 
+def test_cuda_numbers_gpus_as_nvml_does_unless_the_user_chose(tmp_path: Path) -> None:
+    found = binary_mod.EngineBinary(_exe(tmp_path / "llama-server"), "test")
+    assert found.launch_env({})["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    chosen = found.launch_env({"CUDA_DEVICE_ORDER": "FASTEST_FIRST"})
+    assert chosen["CUDA_DEVICE_ORDER"] == "FASTEST_FIRST"
+
+
 def test_build_metadata_file(tmp_path: Path) -> None:
     exe = _exe(tmp_path / "llama-server")
     meta = tmp_path / "gezel-llama-build.json"

@@ -95,7 +95,14 @@ class EngineBinary:
     """Extra environment for the process (e.g. the wheel's library dir)."""
 
     def launch_env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """``base`` (default: this process's environment) plus the engine's own.
+
+        CUDA numbers GPUs fastest first unless told otherwise; NVML, which the host
+        places engines by, numbers them by PCI bus. ``CUDA_DEVICE_ORDER=PCI_BUS_ID``
+        (unless ``base`` sets it) makes ``--device CUDA1`` the GPU NVML calls 1.
+        """
         env = dict(os.environ if base is None else base)
+        env.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
         for key, value in self.env.items():
             if key == "LD_LIBRARY_PATH" and env.get(key):
                 env[key] = f"{value}:{env[key]}"
