@@ -48,7 +48,11 @@ def expand_replicas(models: Sequence[ModelConfig]) -> list[ModelConfig]:
             out.append(model)
             continue
         members: list[ModelConfig] = []
-        base = dataclasses.replace(model, replicas=1, replica_urls=[], replica_of=model.id)
+        # One slot class for the set: in swap mode its members are resident together
+        # (the arbiter evicts other classes, never a sibling), and are evicted together.
+        base = dataclasses.replace(
+            model, replicas=1, replica_urls=[], replica_of=model.id, slot_class=model.gpu_class
+        )
         if model.external:
             members.append(dataclasses.replace(base, id=member_id(model.id, 0)))
         else:

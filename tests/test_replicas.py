@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
 from gezel_trio.config import ModelConfig
@@ -17,6 +18,7 @@ from gezel_trio.replicas import MemberView, ReplicaRouter, expand_replicas
 
 from ._engine_bin import llama_server_command, open_llama_server, run_llama_server
 from .conftest import make_config, running
+from .fault_tools import wait_until
 
 
 def test_expansion_names_members_and_keeps_their_kind() -> None:
@@ -218,3 +220,55 @@ async def test_killing_a_replica_mid_replay_loses_nothing_that_had_not_reached_i
     assert out["cross_session_tokens"] == 0  # nobody got another chat's KV
     served = {m: n for m, n in out["routed"].items() if n}
     assert len(served) == 3  # every replica served before the kill
+
+
+@pytest.mark.parametrize("policy", ["swap", "coexist"])
+async def test_an_exclusive_op_on_one_replica_waits_for_every_replica_to_drain(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary, policy: str
+) -> None:
+    """Two spawned replicas: a calibration of one waits while the other answers, runs
+    with both idle, and admin calls on the model's id act on both members."""
+    cfg = make_config(
+        [ModelConfig(id="tiny", path=str(tiny_model), parallel=2, ctx_per_slot=2048, replicas=2)],
+        state_dir=state_dir,
+        engine_binary=engine_binary,
+        gpu={"policy": policy},
+    )
+    long = {"model": "tiny", "prompt": [5, 6, 7], "n_predict": 1500, "ignore_eos": True}
+    with trio.fail_after(120):
+        async with running(cfg) as (host, client):
+            r = await client.post("/api/models/tiny/load")
+            assert r.status_code == 200, r.text
+            assert [m["model"] for m in r.json()["members"]] == ["tiny@0", "tiny@1"]
+            assert all(host.models[m].ready for m in ("tiny@0", "tiny@1"))
+            scheduler = host.scheduler
+            assert scheduler is not None
+            times: dict[str, float] = {}
+
+            async def generate() -> None:
+                r = await client.post("/completion", json=long)
+                assert r.status_code == 200, r.text
+                times["generated"] = trio.current_time()
+
+            async def calibrate(member: str) -> None:
+                r = await client.post(f"/api/models/{member}/calibrate")
+                assert r.status_code == 200, r.text
+                times["calibrated"] = trio.current_time()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(generate)
+                await wait_until(
+                    lambda: sum(scheduler.statistics().running.values()) == 1,
+                    within=10,
+                    what="the long request running",
+                )
+                busy = next(iter(scheduler.statistics().running))
+                idle = "tiny@1" if busy == "tiny@0" else "tiny@0"
+                nursery.start_soon(calibrate, idle)  # the other replica is idle ...
+                await trio.sleep(0.5)
+                stats = scheduler.statistics()
+                assert stats.active_ops == () and stats.running == {busy: 1}  # ... yet it waits
+            assert times["generated"] < times["calibrated"]
+            r = await client.post("/api/models/tiny/unload")
+            assert r.status_code == 200, r.text
+            assert [m["state"] for m in r.json()["members"]] == ["stopped", "stopped"]
