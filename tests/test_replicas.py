@@ -239,6 +239,7 @@ async def test_an_exclusive_op_on_one_replica_waits_for_every_replica_to_drain(
         async with running(cfg) as (host, client):
             r = await client.post("/api/models/tiny/load")
             assert r.status_code == 200, r.text
+            assert r.json()["model"] == "tiny" and r.json()["state"] == "ready"
             assert [m["model"] for m in r.json()["members"]] == ["tiny@0", "tiny@1"]
             assert all(host.models[m].ready for m in ("tiny@0", "tiny@1"))
             scheduler = host.scheduler
@@ -272,3 +273,4 @@ async def test_an_exclusive_op_on_one_replica_waits_for_every_replica_to_drain(
             r = await client.post("/api/models/tiny/unload")
             assert r.status_code == 200, r.text
             assert [m["state"] for m in r.json()["members"]] == ["stopped", "stopped"]
+            assert r.json()["state"] == "stopped"

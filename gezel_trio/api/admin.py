@@ -66,9 +66,17 @@ def _targets(host: Host, model_id: str) -> list[ModelRuntime]:
     return host.replica_members(model_id) or [host.resolve_model(model_id)]
 
 
-def _answer(done: list[dict[str, Any]]) -> Response:
-    """One engine's answer as it is; several (a replicated model) as ``members``."""
-    return json_response(done[0] if len(done) == 1 else {"members": done})
+def _answer(model_id: str, done: list[dict[str, Any]]) -> Response:
+    """One engine's answer as it is. A replicated model's lists each member's under
+    ``members``, with ``model`` its id and ``state`` its members' states (one word when
+    they agree, e.g. ``ready``; else each distinct one, e.g. ``ready, failed``)."""
+    if not _host().replica_members(model_id):
+        return json_response(done[0])
+    states = list(dict.fromkeys(str(d.get("state")) for d in done))
+    body: dict[str, Any] = {"model": model_id, "members": done}
+    if all("state" in d for d in done):
+        body["state"] = ", ".join(states)
+    return json_response(body)
 
 
 @bp.post("/api/models/<model_id>/load")
@@ -80,7 +88,7 @@ async def load(model_id: str) -> Response:
     for rt in _targets(_host(), model_id):
         await rt.ensure_resident()
         done.append({"model": rt.id, "state": rt.engine.state.value.value})
-    return _answer(done)
+    return _answer(model_id, done)
 
 
 @bp.post("/api/models/<model_id>/unload")
@@ -91,7 +99,7 @@ async def unload(model_id: str) -> Response:
     for rt in _targets(_host(), model_id):
         await rt.engine.stop()
         done.append({"model": rt.id, "state": rt.engine.state.value.value})
-    return _answer(done)
+    return _answer(model_id, done)
 
 
 @bp.post("/api/reload")
@@ -117,7 +125,7 @@ async def calibrate(model_id: str) -> Response:
         done.append(
             {"model": rt.id, "admission_ceiling": rt.parallel, "reason": rt.ceiling_reason} | result
         )
-    return _answer(done)
+    return _answer(model_id, done)
 
 
 @bp.post("/api/models/<model_id>/benchmark")
