@@ -453,10 +453,7 @@ class _JobDeque:
             return
         self._bind(job, self)
         self._live += 1
-        live = [j for j in items if self._member(j) and j is not job]
-        live.append(job)
-        live.sort(key=lambda j: j.seq)
-        self._items = deque(live)
+        self._items = deque(sorted([*self, job], key=lambda j: j.seq))
 
     def head(self) -> Job | None:
         items = self._items
@@ -632,12 +629,13 @@ class _Turn:
             out.append(job)
         return out
 
-    def movable(self, to: _Model) -> Iterator[Job]:
-        """Claimed jobs of ``to``'s siblings that ``to`` may take (see THE POOL),
-        earliest first among the first :data:`STEAL_SCAN` of each sibling."""
+    def pool_jobs(self, *, skip: _Model | None = None) -> list[Job]:
+        """Claimed jobs any member may take (see THE POOL), earliest first, among the
+        first :data:`STEAL_SCAN` of each member but ``skip``: pool jobs whose session
+        holds no slot, and every job of a down member."""
         found: list[Job] = []
         for model in self.family.members:
-            if model is to:
+            if model is skip:
                 continue
             for i, job in enumerate(model.queue.prefix()):
                 if i >= STEAL_SCAN or job.seq >= self.bound:
@@ -645,20 +643,7 @@ class _Turn:
                 if model.down or (job.pool and not self._held(job.session)):
                     found.append(job)
         found.sort(key=lambda j: j.seq)
-        return iter(found)
-
-    def pool_waiting(self) -> int:
-        """Claimed jobs any member may take (among the first :data:`STEAL_SCAN` of
-        each member): pool jobs whose session holds no slot, and every job of a down
-        member."""
-        count = 0
-        for model in self.family.members:
-            for i, job in enumerate(model.queue.prefix()):
-                if i >= STEAL_SCAN or job.seq >= self.bound:
-                    break
-                if model.down or (job.pool and not self._held(job.session)):
-                    count += 1
-        return count
+        return found
 
     def _held(self, session: str | None) -> bool:
         if session is None:
@@ -1054,7 +1039,7 @@ class SchedulerPolicy:
         every loaded member with room that has jobs or can take pool jobs, and
         start one more member while pool jobs outnumber the loaded members' room."""
         family = turn.family
-        pool = turn.pool_waiting()
+        pool = len(turn.pool_jobs())
         idle: _Model | None = None  # a member that could be started for the pool
         for model in family.members:
             loaded = model.model_id in turn.loaded
@@ -1273,7 +1258,7 @@ class SchedulerPolicy:
             admitted.append(job)
             room -= 1
         if room > 0 and len(model.family.members) > 1:
-            for job in turn.movable(model):
+            for job in turn.pool_jobs(skip=model):
                 if room == 0:
                     break
                 if job.any_slot or job.state is not JobState.QUEUED:
