@@ -274,3 +274,59 @@ async def test_an_exclusive_op_on_one_replica_waits_for_every_replica_to_drain(
             assert r.status_code == 200, r.text
             assert [m["state"] for m in r.json()["members"]] == ["stopped", "stopped"]
             assert r.json()["state"] == "stopped"
+
+
+async def test_a_free_replica_takes_a_request_queued_behind_a_busy_one(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    """Two spawned replicas of one slot each: a long answer on one, a short one on the
+    other, then two keyless requests routed one to each. The replica that frees first
+    runs both: it takes the one queued behind the long answer (pooled)."""
+    cfg = make_config(
+        [ModelConfig(id="tiny", path=str(tiny_model), parallel=1, ctx_per_slot=4096, replicas=2)],
+        state_dir=state_dir,
+        engine_binary=engine_binary,
+    )
+
+    def body(n_predict: int, first: int) -> dict[str, Any]:
+        return {
+            "model": "tiny",
+            "prompt": [first, 6, 7],
+            "n_predict": n_predict,
+            "ignore_eos": True,
+        }
+
+    with trio.fail_after(120):
+        async with running(cfg) as (host, client):
+            assert (await client.post("/api/models/tiny/load")).status_code == 200
+            scheduler = host.scheduler
+            assert scheduler is not None
+            done: dict[str, float] = {}
+
+            async def ask(name: str, n_predict: int, first: int) -> None:
+                r = await client.post("/completion", json=body(n_predict, first))
+                assert r.status_code == 200, r.text
+                done[name] = trio.current_time()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask, "long", 3000, 5)
+                await wait_until(
+                    lambda: sum(scheduler.statistics().running.values()) == 1,
+                    within=10,
+                    what="the long answer running",
+                )
+                nursery.start_soon(ask, "short", 300, 8)
+                await wait_until(
+                    lambda: sum(scheduler.statistics().running.values()) == 2,
+                    within=10,
+                    what="both replicas busy",
+                )
+                routed = dict(host.routers["tiny"].routed)
+                for i in range(2):
+                    nursery.start_soon(ask, f"keyless-{i}", 4, 20 + i)
+                    await trio.sleep(0.01)
+                queued = scheduler.statistics().waiting_model_ids
+                assert sorted(queued.values()) == [1, 1], queued  # routed one to each
+            assert scheduler.statistics().pool["pooled"] == 1
+            assert sum(host.routers["tiny"].routed.values()) - sum(routed.values()) == 2
+            assert max(done["keyless-0"], done["keyless-1"]) < done["long"]
