@@ -104,6 +104,9 @@ class FakeLane:
     def lease(self) -> AbstractAsyncContextManager[object]:
         return contextlib.nullcontext()
 
+    async def wait_failed(self) -> None:
+        await trio.sleep_forever()
+
     async def ensure_resident(self) -> None:
         if self.gate is not None:
             await self.gate.wait()

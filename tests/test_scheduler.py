@@ -32,6 +32,7 @@ from gezel_trio.scheduler import (
     hash_session,
     open_scheduler,
 )
+from gezel_trio.scheduler.slots import Content
 
 # --------------------------------------------------------------------------- fake engine
 
@@ -106,6 +107,7 @@ class FakeLane:
         self.restart_on_load = restart_on_load
         self.sole_client = sole_client
         self.family: str | None = None
+        self.failed = trio.Event()  # set: the engine failed (wait_failed returns)
         self.holds = 0
         self.slots = [Slot(i) for i in range(parallel)]
         self.external: set[int] = set()  # slots busy with traffic we did not schedule
@@ -156,6 +158,9 @@ class FakeLane:
         self._generation += 1
         for slot in self.slots:
             slot.kv = None
+
+    async def wait_failed(self) -> None:
+        await self.failed.wait()
 
     async def ensure_resident(self) -> None:
         self.ensure_calls.append(trio.current_time())
@@ -733,6 +738,27 @@ async def test_failed_erase_fails_the_request_and_leaves_the_slot_unknown(
         "skipped_same_session": 0,
         "after_keyless": 0,
     }
+    assert a.bleeds == []
+
+
+async def test_a_slot_call_to_an_external_engine_that_fails_meanwhile_is_abandoned(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    """A hung external engine answers no erase; its health checks fail first. The
+    handoff stops waiting then (not after the erase timeout): EngineFailed, nothing
+    sent, the slot left unknown."""
+    a = FakeLane(pool, "a", parallel=1, erase_time=60.0, sole_client=False)
+    async with running({"a": a}, erase_timeout=30.0) as h:
+        h.submit(a, session="chat-1", duration=1.0)
+        await trio.sleep(2.0)
+        handoff = h.submit(a, session="chat-2", duration=1.0)
+        await trio.sleep(1.0)  # its erase is under way and gets no answer
+        assert handoff.error is None
+        a.failed.set()
+        await trio.sleep(0.01)  # at once, not when the 30 s erase timeout expires
+        assert isinstance(handoff.error, EngineFailed) and handoff.start is None
+        assert "failed while slot 0 was prepared" in str(handoff.error)
+        assert h.scheduler.policy.table("a").content(0) is Content.UNKNOWN
     assert a.bleeds == []
 
 

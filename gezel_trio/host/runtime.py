@@ -178,6 +178,10 @@ class ModelRuntime:
             if self.metrics is not None and self.engine.starts > 1:
                 self.metrics.engine_restart(self.id)
 
+    async def wait_failed(self) -> None:
+        """Return once the engine is FAILED (at once if it is now)."""
+        await self.engine.state.wait_value(EngineState.FAILED)
+
     async def measure_slots(self) -> SlotMeasurement | None:
         """``GET /slots`` as a sample (``None`` when unknown). May raise project errors."""
         if self.engine.base_url is None:

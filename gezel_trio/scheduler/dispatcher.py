@@ -51,6 +51,7 @@ from contextlib import (
     asynccontextmanager,
 )
 from dataclasses import dataclass, field
+from functools import partial
 from types import TracebackType
 from typing import Protocol, TypeVar, runtime_checkable
 
@@ -131,6 +132,10 @@ class EngineLane(LaneInfo, Protocol):
 
     async def ensure_resident(self) -> None:
         """Start or switch the engine lazily; raises project errors (EngineFailed, NoCapacity)."""
+        ...
+
+    async def wait_failed(self) -> None:
+        """Return once the engine has failed (dead, or its health checks fail)."""
         ...
 
     async def measure_slots(self) -> SlotMeasurement | None:
@@ -492,65 +497,13 @@ class Scheduler:
                 if self._policy.member_down(job.model_id):
                     self._wake()
                 raise
-        calls = 0
-        erased = False
-        restored = 0
+        calls, erased, restored = 0, False, 0
         slot = job.slot_id
         if slot is not None:
-            parking = (
-                self.settings.kv_parking and isinstance(lane, ParkingLane) and lane.parking_enabled
-            )
-            restore_failed = False
-
-            def is_parked(session: str) -> bool:
-                return (
-                    not restore_failed and isinstance(lane, ParkingLane) and lane.is_parked(session)
-                )
-
-            for _ in range(4):
-                self._check_pin(job)
-                table = self._policy.table_of(job)
-                prep = table.preparation(
-                    slot,
-                    job.session,
-                    erase_on_handoff=self._policy.erase_on_handoff,
-                    parking=parking,
-                    is_parked=is_parked,
-                )
-                owner = table.owner(slot)
-                if parking and owner is not None and owner != job.session and prep.park is None:
-                    self._policy.parks_skipped += 1  # its parked copy is still current
-                if (
-                    parking
-                    and calls == 0
-                    and job.session is not None
-                    and owner != job.session
-                    and not prep.restore
-                ):
-                    assert isinstance(lane, ParkingLane)
-                    lane.note_miss()
-                if prep.calls == 0:
-                    break
-                calls += prep.calls
-                if prep.park is not None:
-                    assert isinstance(lane, ParkingLane)
-                    if not await self._park(job, lane, prep.park):
-                        parking = False  # that session re-prefills later; go on without
-                if prep.restore:
-                    assert isinstance(lane, ParkingLane) and job.session is not None
-                    restored = await self._restore(job, lane, job.session)
-                    if restored:
-                        erased = True
-                    else:
-                        restore_failed = True
-                elif prep.erase:
-                    await self._erase(job, lane)
-                    erased = True
-            else:  # pragma: no cover - each round makes progress or raises
-                raise EngineFailed(f"slot {slot} of {job.model_id!r} could not be prepared")
-            self._check_pin(job)
-            table = self._policy.table_of(job)
-            table.sending(slot, job)
+            if lane.sole_client:
+                calls, erased, restored = await self._prepare_slot(job, lane, slot)
+            else:
+                calls, erased, restored = await self._prepare_watched(job, lane, slot)
         job.ran = True
         return Grant(
             model_id=job.model_id,
@@ -562,6 +515,83 @@ class Scheduler:
             generation=self._policy.table_of(job).generation,
             restored_tokens=restored,
         )
+
+    async def _prepare_watched(
+        self, job: _TrioJob, lane: EngineLane, slot: int
+    ) -> tuple[int, bool, int]:
+        """:meth:`_prepare_slot` on an engine the host does not run, abandoned when the
+        engine fails meanwhile: a hung external engine answers no slot call, and its
+        health checks say so sooner than the calls' own timeouts. The slot is left
+        unknown and EngineFailed raised (the request is not sent)."""
+        result = await _unless_failed(lane, partial(self._prepare_slot, job, lane, slot))
+        if result is None:
+            raise EngineFailed(
+                f"the engine for {job.model_id!r} failed while slot {slot} was prepared; "
+                "the request was not sent"
+            )
+        return result[0]
+
+    async def _prepare_slot(
+        self, job: _TrioJob, lane: EngineLane, slot: int
+    ) -> tuple[int, bool, int]:
+        """Park, restore or erase ``slot`` until it holds only ``job``'s session's KV (or
+        nothing); returns (upstream calls made, erased or restored, tokens restored)."""
+        calls = 0
+        erased = False
+        restored = 0
+        parking = (
+            self.settings.kv_parking and isinstance(lane, ParkingLane) and lane.parking_enabled
+        )
+        restore_failed = False
+
+        def is_parked(session: str) -> bool:
+            return not restore_failed and isinstance(lane, ParkingLane) and lane.is_parked(session)
+
+        for _ in range(4):
+            self._check_pin(job)
+            table = self._policy.table_of(job)
+            prep = table.preparation(
+                slot,
+                job.session,
+                erase_on_handoff=self._policy.erase_on_handoff,
+                parking=parking,
+                is_parked=is_parked,
+            )
+            owner = table.owner(slot)
+            if parking and owner is not None and owner != job.session and prep.park is None:
+                self._policy.parks_skipped += 1  # its parked copy is still current
+            if (
+                parking
+                and calls == 0
+                and job.session is not None
+                and owner != job.session
+                and not prep.restore
+            ):
+                assert isinstance(lane, ParkingLane)
+                lane.note_miss()
+            if prep.calls == 0:
+                break
+            calls += prep.calls
+            if prep.park is not None:
+                assert isinstance(lane, ParkingLane)
+                if not await self._park(job, lane, prep.park):
+                    parking = False  # that session re-prefills later; go on without
+            if prep.restore:
+                assert isinstance(lane, ParkingLane) and job.session is not None
+                restored = await self._restore(job, lane, job.session)
+                if restored:
+                    erased = True
+                else:
+                    restore_failed = True
+            elif prep.erase:
+                await self._erase(job, lane)
+                erased = True
+        else:  # pragma: no cover - each round makes progress or raises
+            raise EngineFailed(f"slot {slot} of {job.model_id!r} could not be prepared")
+        self._check_pin(job)
+        table = self._policy.table_of(job)
+        table.sending(slot, job)
+        return calls, erased, restored
 
     async def _park(self, job: _TrioJob, lane: ParkingLane, session: str) -> bool:
         """Save ``session``'s KV before its slot changes hands; False when it failed
@@ -865,7 +895,13 @@ class Scheduler:
         failure: str | None = None
         with trio.move_on_after(timeout):
             try:
-                measured = await lane.measure_slots()
+                if lane.sole_client:
+                    measured = await lane.measure_slots()
+                else:  # a hung external engine: its health checks may tell first
+                    sample = await _unless_failed(lane, lane.measure_slots)
+                    if sample is None:
+                        raise EngineFailed("the engine failed its health checks")
+                    measured = sample[0]
             except Exception as exc:
                 failure = repr(exc)
             else:
@@ -990,6 +1026,22 @@ class Scheduler:
 
 #: Starts of one load before its jobs fail, when each is stopped by another's eviction.
 _LOAD_ATTEMPTS = 3
+
+
+async def _unless_failed(lane: EngineLane, call: Callable[[], Awaitable[T]]) -> tuple[T] | None:
+    """``(await call(),)``, or None when ``lane``'s engine fails first (``call`` is then
+    cancelled). Exceptions of ``call`` pass through."""
+    result: tuple[T] | None = None
+    async with unwrapping(), trio.open_nursery() as nursery:
+
+        async def cancel_on_failure() -> None:
+            await lane.wait_failed()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(cancel_on_failure)
+        result = (await call(),)
+        nursery.cancel_scope.cancel()
+    return result
 
 
 def _copy_error(error: BaseException) -> BaseException:
