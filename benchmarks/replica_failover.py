@@ -1,15 +1,16 @@
 """One replica of a model killed mid-run: what was lost, and how soon its chats were served.
 
     python -m benchmarks.replica_failover [--before 6] [--after 10] [--chats 8] [--size tiny]
-                                          [--repeats 1]
+                                          [--repeats 1] [--fault kill|hang]
 
 One host (in process, the real server on a real socket) serves one model from three
 engines: one it runs and two plain llama-servers it is given as external replicas
 (``replica_urls``, started with ``--slot-save-path`` and ``--cache-ram 0``), one slot
 each, so requests queue. ``--chats`` chats send turn after turn (each turn the last
 prompt plus a few tokens, with ``prompt_cache_key``) and two clients send keyless
-requests, for ``--before`` seconds; then one external replica is SIGKILLed, and they go
-on for ``--after`` seconds.
+requests, for ``--before`` seconds; then one external replica is SIGKILLed (``--fault
+hang``: SIGSTOPped, so it keeps its sockets and answers nothing), and they go on for
+``--after`` seconds. The host's ``request_timeout`` is 5 s.
 
 Reported:
 
@@ -23,7 +24,8 @@ Reported:
 - median latency before the kill and after it (two replicas left of three);
 - cached tokens beyond what a request's own chat had sent before (isolation: 0).
 
-Aim (issue 14): 0 lost. Writes benchmarks/results/replica_failover.json.
+Aim (issue 14): 0 lost. Writes benchmarks/results/replica_failover.json
+(``replica_failover_hang.json`` for a hang).
 """
 
 from __future__ import annotations
@@ -131,11 +133,18 @@ async def plain_llama_server(model: Path, saves: Path) -> AsyncIterator[PlainSer
             nursery.cancel_scope.cancel()
 
 
+REQUEST_TIMEOUT = 5.0
+"""The host's ``request_timeout`` here: how long a request on a hung replica waits."""
+
+SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
+
+
 def _config(state: Path, model: Path, urls: Sequence[str]) -> Config:
     cfg = Config()
     cfg.server.port = 0
     cfg.server.log_level = "warning"
     cfg.engine.state_dir = str(state)
+    cfg.engine.request_timeout = REQUEST_TIMEOUT
     cfg.engine.health_interval = 0.5
     cfg.engine.health_failures = 2
     cfg.gpu.policy = "coexist"
@@ -149,9 +158,11 @@ def _config(state: Path, model: Path, urls: Sequence[str]) -> Config:
 
 
 async def run(
-    model: Path, *, before: float, after: float, chats: int, seed: int = 1
+    model: Path, *, before: float, after: float, chats: int, seed: int = 1, fault: str = "kill"
 ) -> dict[str, Any]:
-    """The whole scenario on ``model``; returns the figures (see the module docstring)."""
+    """The whole scenario on ``model``; returns the figures (see the module docstring).
+    ``fault``: ``kill`` (SIGKILL) or ``hang`` (SIGSTOP: the replica keeps its sockets
+    open and answers nothing; SIGCONT and SIGKILL at the end)."""
     rng = random.Random(seed)
     outcomes: list[Outcome] = []
     with tempfile.TemporaryDirectory(prefix="gezel-failover-") as tmp:
@@ -236,7 +247,7 @@ async def run(
                         if member_of(c) == lost_member
                     )
                     at_kill["moved_before"] = host.routers[MODEL].moved
-                    os.kill(victim.process.pid, signal.SIGKILL)
+                    os.kill(victim.process.pid, SIGNALS[fault])
                     with trio.fail_after(30):
                         await host.models[lost_member].engine.state.wait_value(EngineState.FAILED)
                     at_kill["detected_s"] = round(time.monotonic() - kill_at, 3)
@@ -247,11 +258,15 @@ async def run(
                     for i in range(2):
                         nursery.start_soon(keyless_loop, i)
                     nursery.start_soon(killer)
+                if fault == "hang":
+                    os.kill(victim.process.pid, signal.SIGCONT)
+                    victim.process.kill()
                 assert host.scheduler is not None
                 pool = dict(host.scheduler.statistics().pool)
                 moved = host.routers[MODEL].moved - at_kill["moved_before"]
                 routed = dict(host.routers[MODEL].routed)
-    return _figures(outcomes, at_kill, pool=pool, moved=moved, routed=routed, lost=lost_member)
+    figures = _figures(outcomes, at_kill, pool=pool, moved=moved, routed=routed, lost=lost_member)
+    return {"fault": fault, **figures}
 
 
 def _figures(
@@ -300,13 +315,15 @@ def _figures(
     }
 
 
-async def main(size: str, before: float, after: float, chats: int, repeats: int) -> dict[str, Any]:
+async def main(
+    size: str, before: float, after: float, chats: int, repeats: int, fault: str
+) -> dict[str, Any]:
     """``repeats`` runs (each with its own seed: the kill lands on other work); the
     totals, the worst time to be served elsewhere, and every run's figures."""
     with tempfile.TemporaryDirectory(prefix="gezel-failover-models-") as d:
         model = write_demo_model(Path(d) / f"{size}.gguf", size=size)  # type: ignore[arg-type]
         runs = [
-            await run(model, before=before, after=after, chats=chats, seed=1 + i)
+            await run(model, before=before, after=after, chats=chats, seed=1 + i, fault=fault)
             for i in range(repeats)
         ]
     worst = [r["served_elsewhere_max_s"] for r in runs if r["served_elsewhere_max_s"] is not None]
@@ -330,6 +347,7 @@ async def main(size: str, before: float, after: float, chats: int, repeats: int)
     )
     return {
         "size": size,
+        "fault": fault,
         "before_s": before,
         "after_s": after,
         "chats": chats,
@@ -354,9 +372,13 @@ if __name__ == "__main__":
     parser.add_argument("--after", type=float, default=10.0)
     parser.add_argument("--chats", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--fault", choices=sorted(SIGNALS), default="kill")
     args = parser.parse_args()
-    out = trio.run(main, args.size, args.before, args.after, args.chats, args.repeats)
-    print(f"{out['repeats']} run(s) of {out['chats']} chats, {out['size']} model; totals:")
+    out = trio.run(main, args.size, args.before, args.after, args.chats, args.repeats, args.fault)
+    print(
+        f"{out['repeats']} run(s) of {out['chats']} chats, {out['size']} model, one replica "
+        f"{'SIGKILLed' if args.fault == 'kill' else 'hung (SIGSTOP)'}; totals:"
+    )
     print(
         f"requests {out['requests']}, failed {out['failed']} "
         f"(the killed replica was running {out['reached']}), lost {out['lost']}"
@@ -374,4 +396,5 @@ if __name__ == "__main__":
         f"{out['latency_median_after_ms']} ms after; late failures {out['late_failures']}"
     )
     print(f"cached tokens beyond a chat's own prefix: {out['cross_session_tokens']}")
-    print("wrote", write_result("replica_failover", out))
+    name = "replica_failover" if args.fault == "kill" else f"replica_failover_{args.fault}"
+    print("wrote", write_result(name, out))

@@ -125,6 +125,11 @@ class EngineCrashed(GezelError):
     code = "engine_crashed"
 
 
+class EngineAbandoned(EngineCrashed):
+    """An external engine failed its health checks while a request was in flight: the
+    host stopped waiting for it (it cannot kill an engine it does not run)."""
+
+
 class EngineTimeout(GezelError):
     """The engine did not answer within the configured time."""
 

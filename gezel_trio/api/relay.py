@@ -30,7 +30,7 @@ from quart import Response, g, request
 from .._trio import unwrapping
 from ..engine.client import UpstreamHead, sse_error_event
 from ..engine.supervisor import EngineState
-from ..errors import EngineCrashed, EngineFailed, FieldError, GezelError
+from ..errors import EngineAbandoned, EngineCrashed, EngineFailed, FieldError, GezelError
 from ..host import Host, ModelRuntime
 from ..scheduler import Grant
 from ..sessions import session_hash
@@ -178,7 +178,9 @@ async def _unary(
 
     When the engine dies before it produced a single token of the answer (the
     request met a process being killed), the request is sent again, once, to the
-    restarted engine: nothing of it reached the client, and nothing of it ran.
+    restarted engine or another replica: nothing of it reached the client, and
+    nothing of it ran. So is one abandoned on a hung external engine (it may have
+    run there, but the client has none of it).
     """
     shape = shape_of(path)
     for attempt in (1, 2):
@@ -193,7 +195,8 @@ async def _unary(
                     keep_tokens=body.get("return_tokens") is True,
                 )
             break
-        except _NothingGenerated:
+        except (_NothingGenerated, EngineAbandoned):
+            # nothing of the answer reached the client: it may go elsewhere
             if attempt == 2 or not await _engine_went_away(runtime, grant):
                 raise
             log.info(

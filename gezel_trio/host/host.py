@@ -29,7 +29,15 @@ from ..config import Config
 from ..engine.argv import last_arg_value
 from ..engine.speed import measure_speed
 from ..engine.supervisor import EngineState, default_slot_save_dir
-from ..errors import ConfigError, EngineCrashed, EngineFailed, ModelLocked, NoCapacity, UnknownModel
+from ..errors import (
+    ConfigError,
+    EngineAbandoned,
+    EngineCrashed,
+    EngineFailed,
+    ModelLocked,
+    NoCapacity,
+    UnknownModel,
+)
 from ..gpu.arbiter import GpuArbiter, resolve_policy
 from ..gpu.health import DeviceSafetyPolicy, HealthGate
 from ..gpu.ledger import (
@@ -254,8 +262,9 @@ class Host:
         handed its queue on). When the slot cannot be had because the engine
         failed (it could not be started, reached or made safe: nothing was sent),
         the request queues again on another member that has not failed it, until
-        none is left; then the last error is raised. Cancellation behaves as
-        :meth:`slot`.
+        none is left; then the last error is raised. A request on an external
+        engine is abandoned (EngineAbandoned) when that engine fails its health
+        checks meanwhile. Cancellation behaves as :meth:`slot`.
         """
         public = runtime.config.replica_of
         tried: set[str] = set()
@@ -285,7 +294,27 @@ class Host:
             if public is not None and session is not None and member is not runtime:
                 router = self.routers.setdefault(public, ReplicaRouter())
                 router.rehome(session, member.id, lost_kv=held)
-            yield member, grant
+            if not (member.config.external and self.serving):
+                yield member, grant
+                return
+            # An external engine that hangs keeps its sockets open and is not ours to
+            # kill: when its health checks fail, the request in flight is abandoned.
+            with trio.CancelScope() as abandoned:
+                watch = trio.CancelScope()
+
+                async def abandon_on_failure() -> None:
+                    with watch:
+                        await member.wait_failed()
+                        abandoned.cancel()
+
+                self.tasks.start_soon(abandon_on_failure)
+                try:
+                    yield member, grant
+                finally:
+                    watch.cancel()
+            if abandoned.cancelled_caught:
+                crashed = member.engine.crash_error("it stopped answering its health checks")
+                raise EngineAbandoned(crashed.message)
 
     async def calibrate(self, runtime: ModelRuntime) -> dict[str, Any]:
         """Run the co-batch calibration now (an exclusive operation); returns its result."""
