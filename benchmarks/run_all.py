@@ -107,6 +107,13 @@ BENCHES = (
         _module("replica_failover", "--before", "3", "--after", "4", "--chats", "4"),
     ),
     Bench(
+        "replica_failover_hang",
+        _module("replica_failover", "--size", "small", "--repeats", "3", "--fault", "hang"),
+        _module(
+            "replica_failover", "--before", "3", "--after", "4", "--chats", "4", "--fault", "hang"
+        ),
+    ),
+    Bench(
         "rpc_overhead",
         _module("rpc_overhead"),
         _module("rpc_overhead", "--size", "tiny", "--runs", "2", "--n-predict", "16"),
