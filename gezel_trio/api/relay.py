@@ -203,14 +203,19 @@ async def _unary(
                 "the engine died before answering: sending the request again",
                 extra={"fields": {"model": runtime.id, "session": session_hash(session)}},
             )
-            if runtime.config.replica_of is not None:  # to another replica, if one is left
-                runtime = host.resolve_model(
-                    runtime.config.replica_of, session=session, avoid={runtime.id}
-                )
+            runtime = _resend_to(host, runtime, session)
     _note_for_log(runtime, session, grant)
     return Response(
         rename.body(content), status=status, content_type=content_type, headers=_wait_header(grant)
     )
+
+
+def _resend_to(host: Host, failed: ModelRuntime, session: str | None) -> ModelRuntime:
+    """Where a request goes again after ``failed``'s engine went away before answering:
+    another replica if one is left, else the same model (its engine restarts)."""
+    if failed.config.replica_of is None:
+        return failed
+    return host.resolve_model(failed.config.replica_of, session=session, avoid={failed.id})
 
 
 class _NothingGenerated(EngineCrashed):
@@ -503,11 +508,7 @@ async def _stream_into(
                 "the engine died before answering: sending the stream again",
                 extra={"fields": {"model": member.id, "session": session_hash(session)}},
             )
-            runtime = member
-            if member.config.replica_of is not None:  # to another replica, if one is left
-                runtime = host.resolve_model(
-                    member.config.replica_of, session=session, avoid={member.id}
-                )
+            runtime = _resend_to(host, member, session)
 
 
 def _waiting_stream(

@@ -268,10 +268,12 @@ class Host:
         """
         public = runtime.config.replica_of
         tried: set[str] = set()
-        held = public is not None and session is not None and self._holds(runtime, session)
+        held: bool | None = None  # the first member routed to holds the session's KV
         async with AsyncExitStack() as stack:
             while True:
-                pool = public is not None and (session is None or not self._holds(runtime, session))
+                holds = public is not None and session is not None and self._holds(runtime, session)
+                held = holds if held is None else held
+                pool = public is not None and not holds
                 try:
                     grant = await stack.enter_async_context(
                         self.slot(runtime, session=session, pool=pool)
@@ -293,7 +295,7 @@ class Host:
             member = self.models.get(grant.model_id, runtime)
             if public is not None and session is not None and member is not runtime:
                 router = self.routers.setdefault(public, ReplicaRouter())
-                router.rehome(session, member.id, lost_kv=held)
+                router.rehome(session, member.id, lost_kv=bool(held))
             if not (member.config.external and self.serving):
                 yield member, grant
                 return

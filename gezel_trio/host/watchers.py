@@ -79,10 +79,9 @@ async def serve_replica_revival(
     member of a replicated model whose engine failed, or that the scheduler holds
     down, is tried in the background: made resident (an external one is probed, a
     spawned one restarted, within its supervisor's backoff) and, for an external
-    one, its ``/slots`` sampled, all within ``probe_within``. A member that passes is routed
-    to again. Requests
-    never wait for this: the router leaves failed members out meanwhile. Runs until
-    cancelled; probes under way are cancelled with it.
+    one, its ``/slots`` sampled, all within ``probe_within``. A member that passes is
+    routed to again. Requests never wait for this: the router leaves failed members
+    out meanwhile. Runs until cancelled; probes under way are cancelled with it.
     """
     task_status.started()
     probing: set[str] = set()
