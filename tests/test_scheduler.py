@@ -741,6 +741,32 @@ async def test_failed_erase_fails_the_request_and_leaves_the_slot_unknown(
     assert a.bleeds == []
 
 
+async def test_a_replica_whose_restart_fails_for_an_admitted_job_hands_its_queue_on(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two spawned replicas of one slot. m@0's engine dies under a running job and cannot
+    be restarted: the next job admitted there fails (its caller re-routes it), and the
+    one queued behind it moves to m@1 instead of meeting another failed restart."""
+    pool = FakePool(swap=False)
+    lanes = {m: FakeLane(pool, m, parallel=1, load_time=0.5) for m in ("m@0", "m@1")}
+    for lane in lanes.values():
+        lane.family = "m"
+    m0 = lanes["m@0"]
+    async with running(lanes, residency="coexist") as h:
+        first = h.submit(m0, duration=2.0)
+        admitted = h.submit(m0, at=0.1, duration=1.0)
+        behind = h.submit(m0, at=0.2, duration=1.0)
+        await trio.sleep(1.0)
+        pool.resident.discard("m@0")  # it died
+        m0.fail_loads = 10  # and will not start again
+    assert first.error is None
+    assert isinstance(admitted.error, EngineFailed) and admitted.start is None
+    assert behind.error is None and behind.grant is not None
+    assert behind.grant.model_id == "m@1"
+    assert len(m0.ensure_calls) == 2  # the first start, and the one failed restart
+    assert h.scheduler.statistics().pool["failovers"] == 1
+
+
 async def test_a_slot_call_to_an_external_engine_that_fails_meanwhile_is_abandoned(
     autojump_clock: trio.testing.MockClock, pool: FakePool
 ) -> None:
