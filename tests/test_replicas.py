@@ -321,7 +321,7 @@ async def test_a_free_replica_takes_a_request_queued_behind_a_busy_one(
                     within=10,
                     what="the long answer running",
                 )
-                nursery.start_soon(ask, "short", 1000, 8)
+                nursery.start_soon(ask, "short", 1500, 8)
                 await wait_until(
                     lambda: sum(scheduler.statistics().running.values()) == 2,
                     within=10,
@@ -330,7 +330,14 @@ async def test_a_free_replica_takes_a_request_queued_behind_a_busy_one(
                 routed = dict(host.routers["tiny"].routed)
                 for i in range(2):
                     nursery.start_soon(ask, f"keyless-{i}", 4, 20 + i)
-                    await trio.sleep(0.01)
+                    # Each request reaches the router over a real socket: wait until it
+                    # has queued (on a busy machine that takes longer than any sleep).
+                    await wait_until(
+                        lambda n=i + 1: sum(scheduler.statistics().waiting_model_ids.values()) == n,
+                        within=20,
+                        what=f"keyless request {i} queued",
+                    )
+                assert "short" not in done, "the short answer ended before both were queued"
                 queued = scheduler.statistics().waiting_model_ids
                 assert sorted(queued.values()) == [1, 1], queued  # routed one to each
             assert scheduler.statistics().pool["pooled"] == 1
