@@ -6,14 +6,25 @@ without a download. :func:`write_demo_model` writes one with the ``gguf`` packag
 :func:`demo_model_path` returns the embedded default, generated on first use into the
 user's cache directory.
 
-Two properties make the model usable through llama-server's chat endpoint:
+Three properties make the model usable through llama-server's endpoints:
 
 - an SPM vocabulary with all 256 byte tokens (``<0x0A>`` included, which chat
   templates need) plus ordinary ASCII pieces, and a ChatML-like chat template;
-- output weights whose rows for the bytes 0x80-0xFF (and ``<unk>``/``<s>``) are zero
-  while every other row has a large spread: their logit is exactly 0 while the best
-  other logit is tens of units above it, so the model can never emit a lone high byte
-  (llama-server answers 500 on invalid UTF-8 output), even at temperature 1.
+- fill-in-the-middle control tokens (Qwen2.5-Coder's spelling, :data:`FIM_TOKENS`) named
+  by the ``tokenizer.ggml.fim_*_token_id`` keys, so ``POST /infill`` works, with
+  ``input_extra`` laid out in the repo-level pattern (``<|fim_repo|>``, ``<|file_sep|>``);
+- output weights whose rows for the bytes 0x80-0xFF (and ``<unk>``/``<s>`` and the FIM
+  tokens) are zero while every other row has a large spread: their logit is exactly 0
+  while the best other logit is tens of units above it, so the model can never emit a
+  lone high byte (llama-server answers 500 on invalid UTF-8 output) or a FIM token, even
+  at temperature 1.
+
+The FIM tokens sit at the end of the vocabulary and their rows are drawn from a
+generator of their own, so every other weight is the one format version 1 drew: the
+models answer ordinary prompts as before.
+
+:func:`write_demo_reranker` writes a tiny Qwen3-style reranker (rank pooling through a
+two-label ``cls.output`` head) that ``llama-server --reranking`` serves on ``/v1/rerank``.
 
 Everything here is synchronous file I/O; call it from Trio through
 ``trio.to_thread.run_sync``.
@@ -24,29 +35,35 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Final, Literal, get_args
 
 import numpy as np
-from gguf import GGUFWriter, TokenType
+from gguf import GGUFWriter, PoolingType, TokenType
 
 __all__ = [
     "DEMO_MODEL_FORMAT_VERSION",
+    "FIM_TOKENS",
+    "FIM_TOKEN_IDS",
     "HIGH_BYTE_TOKEN_IDS",
+    "RERANK_LABELS",
+    "RERANK_TEMPLATE",
     "DemoArch",
     "DemoSize",
     "default_model_cache_dir",
     "demo_model_path",
+    "demo_reranker_path",
     "write_demo_model",
+    "write_demo_reranker",
 ]
 
 DemoSize = Literal["tiny", "small"]
 DemoArch = Literal["llama", "mamba", "qwen35"]
 
 #: Bumped whenever the generator's output changes, so cached files are regenerated.
-DEMO_MODEL_FORMAT_VERSION = 1
+DEMO_MODEL_FORMAT_VERSION = 2
 
 UNK_ID = 0
 BOS_ID = 1
@@ -56,6 +73,19 @@ _FIRST_BYTE_ID = 3
 HIGH_BYTE_TOKEN_IDS = range(_FIRST_BYTE_ID + 0x80, _FIRST_BYTE_ID + 0x100)
 
 _SPACE = "\u2581"  # SentencePiece's word-boundary marker
+
+#: The fill-in-the-middle control tokens by role: the ``<role>`` of llama.cpp's
+#: ``tokenizer.ggml.fim_<role>_token_id`` GGUF key (``llama-vocab.cpp``). ``pre``, ``suf``
+#: and ``mid`` are what ``/infill`` requires; ``rep`` and ``sep`` lay out ``input_extra``;
+#: ``pad``, ``rep`` and ``sep`` are end-of-generation tokens to llama.cpp.
+FIM_TOKENS: Final[dict[str, str]] = {
+    "pre": "<|fim_prefix|>",
+    "suf": "<|fim_suffix|>",
+    "mid": "<|fim_middle|>",
+    "pad": "<|fim_pad|>",
+    "rep": "<|fim_repo|>",
+    "sep": "<|file_sep|>",
+}
 
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -67,6 +97,20 @@ CHAT_TEMPLATE = (
     "{{- '<|im_end|>\\n' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+#: The labels of the reranker's classifier head, as llama.cpp's converter writes them for
+#: Qwen3-Reranker; the score llama-server reports is the first label's probability.
+RERANK_LABELS: Final = ("yes", "no")
+
+#: The reranker's ``rerank`` chat template: llama-server substitutes ``{query}`` and
+#: ``{document}`` and tokenizes the result with special tokens parsed. Qwen3-Reranker's
+#: own ends in a fixed assistant turn; this one ends with the document, because the score
+#: is read at the last token and random weights barely carry earlier tokens that far: with
+#: a fixed ending every document scored within 0.001 of the others.
+RERANK_TEMPLATE: Final = (
+    "<|im_start|>system\nJudge whether the Document meets the requirements of the Query."
+    "<|im_end|>\n<|im_start|>user\n<Query>: {query}\n<Document>: {document}"
 )
 
 _WORD_TEXT = (
@@ -143,7 +187,22 @@ def _build_vocab() -> _Vocab:
         types.append(int(TokenType.NORMAL))
         # Longer pieces first, ties broken by insertion order: deterministic merges.
         scores.append(float(len(piece)) - len(tokens) * 1e-4)
+    # Last, so that every earlier id (and every weight row drawn for it) stays put.
+    for special in FIM_TOKENS.values():
+        tokens.append(special)
+        types.append(int(TokenType.CONTROL))
+        scores.append(0.0)
     return _Vocab(tokens=tokens, scores=scores, types=types)
+
+
+_VOCAB: Final = _build_vocab()
+#: Token id of each of :data:`FIM_TOKENS`, by role; their output rows are zero.
+FIM_TOKEN_IDS: Final[dict[str, int]] = {
+    role: _VOCAB.tokens.index(token) for role, token in FIM_TOKENS.items()
+}
+#: Tokens before the FIM tokens: the vocabulary of format version 1, whose weight rows
+#: come from the main generator.
+_N_BASE_VOCAB: Final = min(FIM_TOKEN_IDS.values())
 
 
 class _Weights:
@@ -152,6 +211,9 @@ class _Weights:
     def __init__(self, writer: GGUFWriter, seed: int, dtype: type[np.floating[Any]]) -> None:
         self._writer = writer
         self._rng = np.random.default_rng(seed)
+        # Rows of the tokens added after format version 1 (the FIM tokens): drawn apart,
+        # so that the main generator's stream, and every older tensor, stays the same.
+        self._added_rows_rng = np.random.default_rng([seed, 1])
         self._dtype = dtype
 
     def normal(self, name: str, shape: tuple[int, ...], std: float, *, f32: bool = False) -> None:
@@ -171,16 +233,38 @@ class _Weights:
         out = data.astype(np.float32 if f32 else self._dtype)
         self._writer.add_tensor(name, np.ascontiguousarray(out))
 
+    def embedding(self, n_vocab: int, n_embd: int, std: float) -> None:
+        """``token_embd.weight``; the rows of the FIM tokens come from their own generator."""
+        base = self._rng.standard_normal((_N_BASE_VOCAB, n_embd), dtype=np.float32)
+        added = self._added_rows_rng.standard_normal(
+            (n_vocab - _N_BASE_VOCAB, n_embd), dtype=np.float32
+        )
+        self.add("token_embd.weight", np.concatenate([base, added]) * np.float32(std))
+
     def output(self, n_vocab: int, n_embd: int) -> None:
         """``output.weight``: spiky logits, zero rows for tokens that must never win."""
         std = 30.0 / float(np.sqrt(n_embd))  # logit std ~30 for an RMS-normed hidden state
-        rows = self._rng.standard_normal((n_vocab, n_embd), dtype=np.float32) * np.float32(std)
+        rows = np.zeros((n_vocab, n_embd), dtype=np.float32)
+        rows[:_N_BASE_VOCAB] = self._rng.standard_normal(
+            (_N_BASE_VOCAB, n_embd), dtype=np.float32
+        ) * np.float32(std)
         rows[list(HIGH_BYTE_TOKEN_IDS)] = 0.0
         rows[[UNK_ID, BOS_ID]] = 0.0
+        rows[list(FIM_TOKEN_IDS.values())] = 0.0
         self.add("output.weight", rows)
 
 
-def _write_llama(writer: GGUFWriter, dims: _Dims, n_vocab: int, seed: int) -> None:
+def _write_llama(
+    writer: GGUFWriter,
+    dims: _Dims,
+    n_vocab: int,
+    seed: int,
+    *,
+    qk_norm: bool = False,
+    rank_labels: Sequence[str] = (),
+) -> None:
+    """A llama block stack; ``qk_norm`` adds Qwen3's per-head Q/K RMS norms, and
+    ``rank_labels`` a rank-pooling classifier head (``cls.output``, one row per label)."""
     head_dim = dims.n_embd // dims.n_head
     writer.add_context_length(dims.n_ctx)
     writer.add_embedding_length(dims.n_embd)
@@ -193,10 +277,13 @@ def _write_llama(writer: GGUFWriter, dims: _Dims, n_vocab: int, seed: int) -> No
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(n_vocab)
     writer.add_file_type(0 if dims.dtype is np.float32 else 1)
+    if rank_labels:
+        writer.add_pooling_type(PoolingType.RANK)
+        writer.add_classifier_output_labels(list(rank_labels))
 
     w = _Weights(writer, seed, dims.dtype)
     e, kv = dims.n_embd, dims.n_head_kv * head_dim
-    w.normal("token_embd.weight", (n_vocab, e), 1.0)
+    w.embedding(n_vocab, e, 1.0)
     for i in range(dims.n_layer):
         p = f"blk.{i}"
         w.const(f"{p}.attn_norm.weight", (e,), 1.0)
@@ -204,12 +291,20 @@ def _write_llama(writer: GGUFWriter, dims: _Dims, n_vocab: int, seed: int) -> No
         w.normal(f"{p}.attn_k.weight", (kv, e), 1.0 / np.sqrt(e))
         w.normal(f"{p}.attn_v.weight", (kv, e), 1.0 / np.sqrt(e))
         w.normal(f"{p}.attn_output.weight", (e, e), 0.5 / np.sqrt(e))
+        if qk_norm:
+            w.const(f"{p}.attn_q_norm.weight", (head_dim,), 1.0)
+            w.const(f"{p}.attn_k_norm.weight", (head_dim,), 1.0)
         w.const(f"{p}.ffn_norm.weight", (e,), 1.0)
         w.normal(f"{p}.ffn_gate.weight", (dims.n_ff, e), 1.0 / np.sqrt(e))
         w.normal(f"{p}.ffn_up.weight", (dims.n_ff, e), 1.0 / np.sqrt(e))
         w.normal(f"{p}.ffn_down.weight", (e, dims.n_ff), 0.5 / np.sqrt(dims.n_ff))
     w.const("output_norm.weight", (e,), 1.0)
     w.output(n_vocab, e)
+    if rank_labels:
+        # Applied to the RMS-normed last hidden state, then softmax over the labels: a
+        # logit gap with a std of ~3.5 spreads the first label's probability (the score)
+        # over (0, 1) (measured: 0.2 to 0.88 over a handful of documents).
+        w.normal("cls.output.weight", (len(rank_labels), e), 2.5 / np.sqrt(e), f32=True)
 
 
 def _write_mamba(writer: GGUFWriter, size: str, n_vocab: int, seed: int) -> None:
@@ -232,7 +327,7 @@ def _write_mamba(writer: GGUFWriter, size: str, n_vocab: int, seed: int) -> None
     writer.add_file_type(0)
 
     w = _Weights(writer, seed, np.float32)
-    w.normal("token_embd.weight", (n_vocab, n_embd), 0.3)
+    w.embedding(n_vocab, n_embd, 0.3)
     # A = -exp(A_log) with the usual S4D-real init: row i is -(1, 2, ..., d_state).
     a = -np.tile(np.arange(1, d_state + 1, dtype=np.float32), (d_inner, 1))
     for i in range(n_layer):
@@ -290,7 +385,7 @@ def _write_qwen35(writer: GGUFWriter, size: str, n_vocab: int, seed: int) -> Non
 
     w = _Weights(writer, seed, np.float32)
     e = n_embd
-    w.normal("token_embd.weight", (n_vocab, e), 1.0)
+    w.embedding(n_vocab, e, 1.0)
     for i in range(n_layer):
         p = f"blk.{i}"
         w.const(f"{p}.attn_norm.weight", (e,), 1.0)
@@ -329,7 +424,9 @@ def _llama(writer: GGUFWriter, size: str, n_vocab: int, seed: int) -> None:
 _BUILDERS: dict[str, _Builder] = {"llama": _llama, "mamba": _write_mamba, "qwen35": _write_qwen35}
 
 
-def _add_tokenizer(writer: GGUFWriter, vocab: _Vocab) -> None:
+def _add_tokenizer(
+    writer: GGUFWriter, vocab: _Vocab, chat_template: str | Sequence[Mapping[str, str]]
+) -> None:
     writer.add_tokenizer_model("llama")
     writer.add_token_list(vocab.tokens)
     writer.add_token_scores(vocab.scores)
@@ -340,7 +437,10 @@ def _add_tokenizer(writer: GGUFWriter, vocab: _Vocab) -> None:
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
     writer.add_add_space_prefix(True)
-    writer.add_chat_template(CHAT_TEMPLATE)
+    for role, token_id in FIM_TOKEN_IDS.items():
+        # gguf's Keys.Tokenizer.FIM_*_ID; spelled out, as older gguf releases lack them.
+        writer.add_uint32(f"tokenizer.ggml.fim_{role}_token_id", token_id)
+    writer.add_chat_template(chat_template)
 
 
 @contextlib.contextmanager
@@ -378,14 +478,55 @@ def write_demo_model(
     builder = _BUILDERS.get(arch)
     if builder is None:
         raise ValueError(f"arch must be one of {sorted(_BUILDERS)}, not {arch!r}")
-    path = Path(path)
     vocab = _build_vocab()
+
+    def build(writer: GGUFWriter) -> None:
+        writer.add_name(f"gezel-trio demo {arch} {size} seed {seed}")
+        _add_tokenizer(writer, vocab, CHAT_TEMPLATE)
+        builder(writer, size, len(vocab.tokens), seed)
+
+    return _write_gguf(Path(path), arch, build)
+
+
+def write_demo_reranker(path: Path, *, seed: int = 0) -> Path:
+    """Write a random-weight reranker to ``path`` and return ``path``.
+
+    Qwen3-style, like Qwen3-Reranker as llama.cpp converts it: architecture ``qwen3`` (a
+    llama stack with Q/K norms), ``pooling_type`` rank, a ``cls.output`` head with the
+    labels :data:`RERANK_LABELS`, and the ``rerank`` chat template
+    :data:`RERANK_TEMPLATE`. llama.cpp pools the last token, projects it onto the labels
+    and takes a softmax, so ``llama-server --reranking`` answers ``/v1/rerank`` with a
+    score in (0, 1) per document, the same for the same query and document. It keeps the
+    demo vocabulary (FIM tokens included), the chat template and the ``output.weight``
+    of the tiny llama model, so it also generates text when started without
+    ``--reranking``. Deterministic and atomic like :func:`write_demo_model`.
+    """
+    vocab = _build_vocab()
+
+    def build(writer: GGUFWriter) -> None:
+        writer.add_name(f"gezel-trio demo reranker seed {seed}")
+        templates = [
+            {"name": "default", "template": CHAT_TEMPLATE},
+            {"name": "rerank", "template": RERANK_TEMPLATE},
+        ]
+        _add_tokenizer(writer, vocab, templates)
+        _write_llama(
+            writer,
+            _LLAMA_DIMS["tiny"],
+            len(vocab.tokens),
+            seed,
+            qk_norm=True,
+            rank_labels=RERANK_LABELS,
+        )
+
+    return _write_gguf(Path(path), "qwen3", build)
+
+
+def _write_gguf(path: Path, arch: str, build: Callable[[GGUFWriter], None]) -> Path:
     with _atomic_target(path) as tmp:
         writer = GGUFWriter(tmp, arch)
         try:
-            writer.add_name(f"gezel-trio demo {arch} {size} seed {seed}")
-            _add_tokenizer(writer, vocab)
-            builder(writer, size, len(vocab.tokens), seed)
+            build(writer)
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_tensors_to_file()
@@ -417,4 +558,14 @@ def demo_model_path(
     path = directory / f"gezel-demo-{arch}-{size}-v{DEMO_MODEL_FORMAT_VERSION}.gguf"
     if not path.is_file():
         write_demo_model(path, size=size, arch=arch, seed=0)
+    return path
+
+
+def demo_reranker_path(*, cache_dir: Path | None = None) -> Path:
+    """Path of the demo reranker (:func:`write_demo_reranker`, seed 0), generated into
+    the cache dir on first use, like :func:`demo_model_path`."""
+    directory = default_model_cache_dir() if cache_dir is None else Path(cache_dir)
+    path = directory / f"gezel-demo-reranker-tiny-v{DEMO_MODEL_FORMAT_VERSION}.gguf"
+    if not path.is_file():
+        write_demo_reranker(path, seed=0)
     return path
