@@ -1,7 +1,9 @@
 """Typed, validated configuration: a TOML file, then ``GEZEL_*`` env overrides, then CLI flags.
 
 Every validation error names the key (``models[0].parallel``) and says what
-was expected, as a :class:`~gezel_trio.errors.ConfigError`.
+was expected. One pass finds them all: a :class:`~gezel_trio.errors.ConfigError`
+carries every problem of the file (its ``detail``: one line each), and
+:func:`read_config` returns them with the config as far as it is valid.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import re
 import tomllib
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +23,8 @@ from .errors import ConfigError
 
 GpuPolicySetting = Literal["auto", "coexist", "swap"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+KeylessMode = Literal["shared", "conversation", "blind"]
+"""How the host treats requests that name no session (``[scheduler] keyless``)."""
 
 MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
@@ -43,11 +47,26 @@ class ServerConfig:
     """Seconds a streaming response's body may take to start after its head was
     handed over; past it the client is gone and its request is cancelled."""
     stream_stall_timeout: float = 120.0
-    """Seconds a streaming client may stop reading before its request is cancelled."""
+    """Seconds a client may stop reading before its request is cancelled and its connection
+    reset: a stream's relay gives up on it, and so does every response write (see
+    :mod:`gezel_trio.front_guard`)."""
     sse_keepalive_interval: float = 5.0
     """A streaming request still waiting (queued, or its model loading) after this many
     seconds gets its 200 response head and an SSE comment every as many seconds, so
     clients and reverse proxies do not time out; 0 waits silently."""
+    shutdown_timeout: float = 10.0
+    """Seconds from SIGINT/SIGTERM to the end of the shutdown. Running requests get all of
+    it but the last 2 s (at most half of it); then every client connection still open is
+    reset, and the host parks its sessions' KV and stops its engines in the time left."""
+    keep_alive_timeout: float = 75.0
+    """Seconds an idle client connection stays open; also the most a client may take to
+    send a request's head, counted from the connection (or its previous response)."""
+    body_timeout: float = 60.0
+    """Seconds a client may take to send a request's body once the request reads it; past
+    it the request fails with 408 and the connection closes."""
+    ollama_listen: str | None = None
+    """A second address to serve on, ``"host:port"`` (``"127.0.0.1:11434"``, ``"[::1]:11434"``),
+    for apps that hard-code Ollama's port: the same app, routes and keys. None: none."""
 
 
 @dataclass
@@ -92,6 +111,10 @@ class SchedulerConfig:
     park_on_stop_timeout: float = 10.0
     """Seconds a planned engine stop may spend saving its slots before SIGTERM."""
     lock_model: bool = False
+    keyless: KeylessMode = "shared"
+    """Requests that name no session: ``shared``, one owner per caller (its prompt
+    cache kept in its slots, erased before another owner uses them); ``blind``,
+    no owner (sent with ``cache_prompt`` off). ``conversation`` is not built yet."""
 
 
 @dataclass
@@ -118,6 +141,9 @@ class ModelConfig:
     slot_class: str | None = None
     """The arbiter's slot class; models of one class never evict each other. Default: the id."""
     embeddings: bool = False
+    reranking: bool = False
+    """Start the engine with ``--reranking``: it serves the rerank routes (and no
+    completions)."""
     allow_unsafe_batching: bool = False
     """Operator override: keep configured parallelism even if calibration fails."""
     rpc: list[str] = field(default_factory=list)
@@ -253,132 +279,284 @@ def _coerce(key: str, value: Any, tp: Any, *, from_text: bool) -> Any:
     raise ConfigError(f"{key}: unsupported type {tp!r}")  # pragma: no cover
 
 
-def _build(cls: type[Any], data: Mapping[str, Any], prefix: str) -> Any:
+class _Reading:
+    """What one pass over a config found: every problem (one line each, naming its key),
+    the keys whose values were refused (their rules are not checked again), and the
+    index in the file of each model that could be built."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+        self.bad: set[str] = set()
+        self.model_indices: list[int] = []
+
+    def refuse(self, key: str, message: str) -> None:
+        self.problems.append(message)
+        self.bad.add(key)
+
+
+def _build(cls: type[Any], data: Any, prefix: str, reading: _Reading) -> Any:
+    """``cls`` from ``data``, or None when a required key is missing or ``data`` is not a
+    table. Every unknown key and refused value is added to ``reading``; a refused value
+    is left at its default."""
     if not isinstance(data, Mapping):
-        raise ConfigError(f"{prefix}: expected a table, got {data!r}")
+        reading.refuse(prefix, f"{prefix}: expected a table, got {data!r}")
+        return None
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if prefix == "scheduler" and "pinning" in unknown:
-        raise ConfigError(
-            "scheduler.pinning: removed; every request is pinned to a slot the host "
-            "has checked (delete the key)"
-        )
-    if unknown:
-        raise ConfigError(
-            f"{prefix}.{unknown[0]}: unknown key; expected one of {', '.join(sorted(names))}"
-        )
-    kwargs = {k: _coerce(f"{prefix}.{k}", v, hints[k], from_text=False) for k, v in data.items()}
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:  # a required key is missing
-        missing = [
-            f.name
-            for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING
-            and f.default_factory is dataclasses.MISSING
-            and f.name not in kwargs
-        ]
-        raise ConfigError(
-            f"{prefix}.{missing[0] if missing else '?'}: required key missing"
-        ) from exc
+    for key in sorted(set(data) - names, key=str):
+        if prefix == "scheduler" and key == "pinning":
+            reading.refuse(
+                f"{prefix}.{key}",
+                "scheduler.pinning: removed; every request is pinned to a slot the host "
+                "has checked (delete the key)",
+            )
+        else:
+            reading.refuse(
+                f"{prefix}.{key}",
+                f"{prefix}.{key}: unknown key; expected one of {', '.join(sorted(names))}",
+            )
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in names:
+            continue
+        try:
+            kwargs[key] = _coerce(f"{prefix}.{key}", value, hints[key], from_text=False)
+        except ConfigError as exc:
+            reading.refuse(f"{prefix}.{key}", exc.message)
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+        and f.name not in data
+    ]
+    for name in missing:
+        reading.refuse(f"{prefix}.{name}", f"{prefix}.{name}: required key missing")
+    if missing or any(
+        f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+        and f.name not in kwargs
+        for f in dataclasses.fields(cls)
+    ):
+        return None
+    return cls(**kwargs)
 
 
-def config_from_mapping(data: Mapping[str, Any]) -> Config:
-    """Build and validate a :class:`Config` from parsed TOML."""
-    unknown = sorted(set(data) - {*_SECTIONS, "models"})
-    if unknown:
-        raise ConfigError(
-            f"{unknown[0]}: unknown section; expected server, engine, scheduler, gpu or [[models]]"
+def _read_mapping(data: Mapping[str, Any], reading: _Reading) -> Config:
+    """A config from parsed TOML, as much of it as is valid (see :class:`_Reading`)."""
+    for name in sorted(set(data) - {*_SECTIONS, "models"}, key=str):
+        reading.refuse(
+            name,
+            f"{name}: unknown section; expected server, engine, scheduler, gpu or [[models]]",
         )
     cfg = Config()
     for name, cls in _SECTIONS.items():
         if name in data:
-            setattr(cfg, name, _build(cls, data[name], name))
+            section = _build(cls, data[name], name, reading)
+            if section is not None:
+                setattr(cfg, name, section)
     raw_models = data.get("models", [])
     if not isinstance(raw_models, list):
-        raise ConfigError("models: expected an array of tables ([[models]])")
-    cfg.models = [_build(ModelConfig, m, f"models[{i}]") for i, m in enumerate(raw_models)]
-    validate(cfg)
+        reading.refuse("models", "models: expected an array of tables ([[models]])")
+        raw_models = []
+    for i, raw in enumerate(raw_models):
+        model = _build(ModelConfig, raw, f"models[{i}]", reading)
+        if model is not None:
+            cfg.models.append(model)
+            reading.model_indices.append(i)
     return cfg
 
 
+def _raise_all(problems: list[str]) -> None:
+    """Raise one :class:`ConfigError` for ``problems`` (if any): its message is every
+    problem joined by ``"; "`` (the first key first), its ``detail`` the list."""
+    if problems:
+        raise ConfigError("; ".join(problems), detail=list(problems))
+
+
+def config_from_mapping(data: Mapping[str, Any]) -> Config:
+    """Build and validate a :class:`Config` from parsed TOML. Raises one
+    :class:`ConfigError` naming every key that is wrong (``detail``: one line each)."""
+    reading = _Reading()
+    cfg = _read_mapping(data, reading)
+    reading.problems += config_problems(cfg, skip=reading.bad, model_indices=reading.model_indices)
+    _raise_all(reading.problems)
+    return cfg
+
+
+def split_listen(address: str) -> tuple[str, int] | None:
+    """``"host:port"`` (``"[::1]:port"`` for IPv6) as (host, port); None if it is not one."""
+    host, sep, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        return None
+    return host, int(port)
+
+
 def validate(cfg: Config) -> None:
-    """Check cross-field rules. Raises :class:`ConfigError` naming the key."""
-    if not 0 <= cfg.server.port <= 65535:
-        raise ConfigError(f"server.port: expected 0..65535, got {cfg.server.port}")
-    if cfg.server.max_body_bytes < 1024:
-        raise ConfigError("server.max_body_bytes: expected at least 1024")
-    for name in ("stream_start_timeout", "stream_stall_timeout"):
-        if getattr(cfg.server, name) <= 0:
-            raise ConfigError(f"server.{name}: expected a positive number of seconds")
-    for name in ("load_timeout", "request_timeout", "health_interval", "stop_grace"):
-        if getattr(cfg.engine, name) <= 0:
-            raise ConfigError(f"engine.{name}: expected a positive number of seconds")
-    if cfg.engine.health_failures < 1:
-        raise ConfigError("engine.health_failures: expected at least 1")
-    if cfg.server.sse_keepalive_interval < 0:
-        raise ConfigError("server.sse_keepalive_interval: expected seconds >= 0 (0: off)")
-    if cfg.scheduler.max_queue < 1:
-        raise ConfigError("scheduler.max_queue: expected at least 1")
-    if cfg.scheduler.slot_poll <= 0:
-        raise ConfigError("scheduler.slot_poll: expected a positive number of seconds")
-    kv_bytes = cfg.scheduler.kv_store_bytes
-    if kv_bytes is not None and (
-        isinstance(kv_bytes, bool) or not isinstance(kv_bytes, int) or kv_bytes < 0
+    """Check cross-field rules. Raises one :class:`ConfigError` naming every key that
+    breaks one (``detail``: one line each; the message: the lines joined by ``"; "``)."""
+    _raise_all(config_problems(cfg))
+
+
+def config_problems(
+    cfg: Config,
+    *,
+    skip: Collection[str] = (),
+    model_indices: Sequence[int] | None = None,
+) -> list[str]:
+    """Every cross-field rule ``cfg`` breaks, one line each, naming its key. Rules on a
+    key in ``skip`` (a value already refused) are not checked; ``model_indices`` are the
+    positions in the file of ``cfg.models`` (default: their own)."""
+    out: list[str] = []
+
+    def check(ok: bool, key: str, message: str, *also: str) -> None:
+        if not ok and key not in skip and not any(k in skip for k in also):
+            out.append(f"{key}: {message}")
+
+    check(
+        0 <= cfg.server.port <= 65535,
+        "server.port",
+        f"expected 0..65535, got {cfg.server.port}",
+    )
+    check(cfg.server.max_body_bytes >= 1024, "server.max_body_bytes", "expected at least 1024")
+    listen = cfg.server.ollama_listen
+    check(
+        listen is None or split_listen(listen) is not None,
+        "server.ollama_listen",
+        f'expected "host:port", such as "127.0.0.1:11434", got {listen!r}',
+    )
+    for name in (
+        "stream_start_timeout",
+        "stream_stall_timeout",
+        "shutdown_timeout",
+        "keep_alive_timeout",
+        "body_timeout",
     ):
-        raise ConfigError(
-            "scheduler.kv_store_bytes: expected a whole number of bytes >= 0 "
-            "(0 keeps nothing parked), or leave it out for the default"
+        check(  # NaN too
+            getattr(cfg.server, name) > 0, f"server.{name}", "expected a positive number of seconds"
         )
-    if cfg.scheduler.park_on_stop_timeout < 0:
-        raise ConfigError("scheduler.park_on_stop_timeout: expected seconds >= 0")
-    if cfg.gpu.temp_margin_c < 0:
-        raise ConfigError("gpu.temp_margin_c: expected a number >= 0")
+    for name in ("load_timeout", "request_timeout", "health_interval", "stop_grace"):
+        check(
+            getattr(cfg.engine, name) > 0, f"engine.{name}", "expected a positive number of seconds"
+        )
+    check(cfg.engine.health_failures >= 1, "engine.health_failures", "expected at least 1")
+    check(
+        cfg.server.sse_keepalive_interval >= 0,
+        "server.sse_keepalive_interval",
+        "expected seconds >= 0 (0: off)",
+    )
+    check(cfg.scheduler.max_queue >= 1, "scheduler.max_queue", "expected at least 1")
+    check(
+        cfg.scheduler.slot_poll > 0,
+        "scheduler.slot_poll",
+        "expected a positive number of seconds",
+    )
+    kv_bytes = cfg.scheduler.kv_store_bytes
+    check(
+        kv_bytes is None
+        or (not isinstance(kv_bytes, bool) and isinstance(kv_bytes, int) and kv_bytes >= 0),
+        "scheduler.kv_store_bytes",
+        "expected a whole number of bytes >= 0 (0 keeps nothing parked), or leave it out "
+        "for the default",
+    )
+    check(
+        cfg.scheduler.park_on_stop_timeout >= 0,
+        "scheduler.park_on_stop_timeout",
+        "expected seconds >= 0",
+    )
+    check(
+        cfg.scheduler.keyless != "conversation",
+        "scheduler.keyless",
+        "'conversation' (one owner per keyless conversation) is not available yet; use "
+        "'shared' (the default: one owner per caller) or 'blind'",
+    )
+    check(cfg.gpu.temp_margin_c >= 0, "gpu.temp_margin_c", "expected a number >= 0")
+    indices = list(model_indices) if model_indices is not None else list(range(len(cfg.models)))
     seen: set[str] = set()
-    for i, m in enumerate(cfg.models):
+    for i, m in zip(indices, cfg.models, strict=True):
         key = f"models[{i}]"
-        if not MODEL_ID_RE.match(m.id):
-            raise ConfigError(
-                f"{key}.id: expected letters, digits, '.', '_', ':' or '-' (max 128), got {m.id!r}"
-            )
-        if m.id in seen:
-            raise ConfigError(f"{key}.id: duplicate model id {m.id!r}")
+        check(
+            bool(MODEL_ID_RE.match(m.id)),
+            f"{key}.id",
+            f"expected letters, digits, '.', '_', ':' or '-' (max 128), got {m.id!r}",
+        )
+        check(m.id not in seen, f"{key}.id", f"duplicate model id {m.id!r}")
         seen.add(m.id)
-        if (m.path is None) == (m.url is None):
-            raise ConfigError(f"{key}: set exactly one of path (a GGUF file) or url (an engine)")
-        if m.url is not None and not m.url.startswith(("http://", "https://")):
-            raise ConfigError(f"{key}.url: expected an http:// or https:// URL, got {m.url!r}")
-        if not 1 <= m.parallel <= 256:
-            raise ConfigError(f"{key}.parallel: expected 1..256, got {m.parallel}")
-        if m.replica_of is not None:
-            raise ConfigError(f"{key}.replica_of: set by the host, not a config key; remove it")
-        if not 1 <= m.replicas <= 64:
-            raise ConfigError(f"{key}.replicas: expected 1..64, got {m.replicas}")
-        if m.url is not None and m.replicas != 1:
-            raise ConfigError(
-                f"{key}.replicas: an external engine (url) is one replica; list the others "
-                "in replica_urls"
-            )
+        check(
+            (m.path is None) != (m.url is None),
+            key,
+            "set exactly one of path (a GGUF file) or url (an engine)",
+            f"{key}.path",
+            f"{key}.url",
+        )
+        check(
+            m.url is None or m.url.startswith(("http://", "https://")),
+            f"{key}.url",
+            f"expected an http:// or https:// URL, got {m.url!r}",
+        )
+        check(1 <= m.parallel <= 256, f"{key}.parallel", f"expected 1..256, got {m.parallel}")
+        check(
+            m.replica_of is None,
+            f"{key}.replica_of",
+            "set by the host, not a config key; remove it",
+        )
+        check(1 <= m.replicas <= 64, f"{key}.replicas", f"expected 1..64, got {m.replicas}")
+        check(
+            m.url is None or m.replicas == 1,
+            f"{key}.replicas",
+            "an external engine (url) is one replica; list the others in replica_urls",
+            f"{key}.url",
+        )
         for j, extra in enumerate(m.replica_urls):
-            if not extra.startswith(("http://", "https://")):
-                raise ConfigError(
-                    f"{key}.replica_urls[{j}]: expected an http:// or https:// URL, got {extra!r}"
-                )
-        if m.rpc and m.url is not None:
-            raise ConfigError(f"{key}.rpc: an external engine (url) cannot be given RPC workers")
-        for j, endpoint in enumerate(m.rpc):
-            from .engine.rpc import parse_endpoint
+            check(
+                extra.startswith(("http://", "https://")),
+                f"{key}.replica_urls[{j}]",
+                f"expected an http:// or https:// URL, got {extra!r}",
+                f"{key}.replica_urls",
+            )
+        check(
+            not (m.rpc and m.url is not None),
+            f"{key}.rpc",
+            "an external engine (url) cannot be given RPC workers",
+            f"{key}.url",
+        )
+        if f"{key}.rpc" not in skip:
+            for j, endpoint in enumerate(m.rpc):
+                from .engine.rpc import parse_endpoint
 
-            parse_endpoint(endpoint, key=f"{key}.rpc[{j}]")
-        if not 64 <= m.ctx_per_slot <= 1 << 20:
-            raise ConfigError(f"{key}.ctx_per_slot: expected 64..1048576, got {m.ctx_per_slot}")
-        if m.idle_ttl < 0:
-            raise ConfigError(f"{key}.idle_ttl: expected seconds >= 0, got {m.idle_ttl}")
+                try:
+                    parse_endpoint(endpoint, key=f"{key}.rpc[{j}]")
+                except ConfigError as exc:
+                    out.append(exc.message)
+        check(
+            64 <= m.ctx_per_slot <= 1 << 20,
+            f"{key}.ctx_per_slot",
+            f"expected 64..1048576, got {m.ctx_per_slot}",
+        )
+        check(m.idle_ttl >= 0, f"{key}.idle_ttl", f"expected seconds >= 0, got {m.idle_ttl}")
+    return out
 
 
-def load_config(path: str | os.PathLike[str] | None) -> Config:
-    """Read a TOML file (or start empty when ``path`` is None). Env overrides are applied."""
+@dataclass(frozen=True, slots=True)
+class ConfigReading:
+    """A config file read as far as it is valid: what :func:`read_config` returns."""
+
+    config: Config
+    """The config, with every refused value at its default and every model that could
+    not be built left out."""
+    problems: list[str]
+    """Every problem found, one line each, naming its key."""
+    model_indices: list[int]
+    """The position in the file of each of ``config.models``."""
+
+
+def read_config(
+    path: str | os.PathLike[str] | None, env: Mapping[str, str] | None = None
+) -> ConfigReading:
+    """Read a TOML file (or start empty) with the env overrides, and validate it, collecting
+    every problem in one pass instead of raising at the first (``check-config``). Raises
+    :class:`ConfigError` only when the file cannot be read as TOML at all."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -388,23 +566,46 @@ def load_config(path: str | os.PathLike[str] | None) -> Config:
             raise ConfigError(f"--config: no such file {str(p)!r}") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{p}: not valid TOML: {exc}") from exc
-    cfg = config_from_mapping(data)
-    apply_env(cfg, os.environ)
-    validate(cfg)
+    reading = _Reading()
+    cfg = _read_mapping(data, reading)
+    _apply_env(cfg, os.environ if env is None else env, reading)
+    reading.problems += config_problems(cfg, skip=reading.bad, model_indices=reading.model_indices)
     cfg.source = None if path is None else str(path)
-    return cfg
+    return ConfigReading(cfg, reading.problems, reading.model_indices)
+
+
+def load_config(path: str | os.PathLike[str] | None) -> Config:
+    """Read a TOML file (or start empty when ``path`` is None). Env overrides are applied.
+    Raises one :class:`ConfigError` naming every key that is wrong."""
+    reading = read_config(path)
+    _raise_all(reading.problems)
+    return reading.config
 
 
 def apply_env(cfg: Config, env: Mapping[str, str]) -> None:
     """Apply ``GEZEL_<SECTION>_<KEY>`` overrides, e.g. ``GEZEL_SERVER_PORT=9000``.
+    Raises one :class:`ConfigError` naming every variable that is wrong (the others
+    are applied).
 
     ``GEZEL_LLAMA_SERVER`` is not a config key: it is one step of engine binary
     resolution (see :mod:`gezel_trio.engine.binary`).
     """
+    reading = _Reading()
+    _apply_env(cfg, env, reading)
+    _raise_all(reading.problems)
+
+
+def _apply_env(cfg: Config, env: Mapping[str, str], reading: _Reading) -> None:
     for section, cls in _SECTIONS.items():
         obj = getattr(cfg, section)
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             var = f"GEZEL_{section.upper()}_{f.name.upper()}"
             if var in env:
-                setattr(obj, f.name, _coerce(var, env[var], hints[f.name], from_text=True))
+                try:
+                    value = _coerce(var, env[var], hints[f.name], from_text=True)
+                except ConfigError as exc:
+                    reading.refuse(f"{section}.{f.name}", exc.message)
+                else:
+                    setattr(obj, f.name, value)
+                    reading.bad.discard(f"{section}.{f.name}")

@@ -1,28 +1,37 @@
 """``gezel-trio check-config``: what serving this config would run into, before it does.
 
-Beyond the config file's own validation (types, keys, ranges), :func:`check_config`
-checks what an engine start would hit, for every model the host spawns:
+It reports every problem in one pass, each once, labelled with the key to fix:
 
-- the model file exists and is a GGUF (its header and metadata read);
-- the engine's command line builds: the model's ``args`` do not take the host's own
-  flags (``--host``, ``--port``), and ``--parallel``/``--ctx-size`` are numbers;
+- the config file's own validation (types, keys, ranges), collected over the whole
+  file and the ``GEZEL_*`` variables instead of stopping at the first
+  (:func:`~gezel_trio.config.read_config`);
+- the engine flags (``engine.extra_args`` once, each model's ``args``) against the
+  resolved engine's own parser, as its ``--help`` lists it
+  (:mod:`gezel_trio.engine.flags`): unknown flags, ``name=value``, a value missing;
+  and what the host refuses in them (``--host``, ``--port``, ``--cache-ram``, and
+  ``--parallel``/``--ctx-size`` that are not whole numbers);
+- for every model the host spawns: the model file exists and is a GGUF (its header
+  and metadata read);
 - the memory plan fits the device (the first GPU, else RAM) with every spawned model
   resident at once under ``coexist``, or the largest alone under ``swap``, and what
   the plan is, in words;
 - the engine binary resolves.
 
-It only reads: no engine is started, nothing is written to the state dir.
+It only reads: no engine is started (the binary runs once with ``--help``), nothing
+is written to the state dir.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .config import Config
-from .engine.argv import build_argv
+from .engine.argv import arg_problems
 from .engine.binary import resolve_engine
+from .engine.flags import EngineFlags, engine_flags
 from .engine.gguf_meta import GGUFError, read_gguf_info
 from .engine.planner import plan_engine
 from .errors import GezelError
@@ -38,6 +47,8 @@ class CheckReport:
     """Problems (each names the key or file to fix) and what the plan is."""
 
     problems: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    """What could not be checked (the engine's flags, when its ``--help`` fails)."""
     plans: dict[str, dict[str, Any]] = field(default_factory=dict)
     binary: str | None = None
     device: str = CPU_DEVICE
@@ -51,6 +62,7 @@ class CheckReport:
         return {
             "ok": self.ok,
             "problems": self.problems,
+            "warnings": self.warnings,
             "engine_binary": self.binary,
             "device": self.device,
             "budget_bytes": self.budget_bytes,
@@ -62,6 +74,7 @@ class CheckReport:
         lines.append(f"device: {self.device}, budget {format_bytes(self.budget_bytes)}")
         for model_id, plan in self.plans.items():
             lines.append(f"{model_id}: {plan['summary']}")
+        lines += [f"warning: {w}" for w in self.warnings]
         lines += [f"problem: {p}" for p in self.problems]
         lines.append("ok" if self.ok else f"{len(self.problems)} problem(s)")
         return "\n".join(lines)
@@ -76,27 +89,60 @@ async def read_device_health() -> DeviceHealth:
         await probe.aclose()
 
 
-def check_config(config: Config, health: DeviceHealth | None) -> CheckReport:
+def check_config(
+    config: Config,
+    health: DeviceHealth | None,
+    *,
+    problems: Sequence[str] = (),
+    model_indices: Sequence[int] | None = None,
+) -> CheckReport:
     """Check ``config`` against the files, the engine and the device ``health`` describes
-    (see the module). Blocking file I/O."""
-    report = CheckReport()
+    (see the module). ``problems`` are the config file's own (from
+    :func:`~gezel_trio.config.read_config`), reported first; ``model_indices`` are the
+    positions in the file of ``config.models`` (for the labels). Blocking file I/O."""
+    report = CheckReport(problems=list(problems))
+    flags: EngineFlags | None = None
     try:
         engine = resolve_engine(config.engine.binary)
         report.binary = str(engine.path)
     except GezelError as exc:
         report.problems.append(f"engine.binary: {exc.message}")
         engine = None
+    if engine is not None:
+        try:
+            flags = engine_flags(engine.path, env=engine.launch_env())
+        except (OSError, ValueError) as exc:
+            report.warnings.append(f"engine flags not checked against the engine: {exc}")
+
+    def check_args(key: str, args: Sequence[str]) -> None:
+        found = arg_problems(args)
+        if flags is not None:
+            # one line per flag: what the host refuses in it says enough
+            covered = {p.split(" ", 1)[0] for p in found}
+            found += [p for p in flags.problems(args) if p.split(" ", 1)[0] not in covered]
+        report.problems += [f"{key}: {p}" for p in found]
+
+    check_args("engine.extra_args", config.engine.extra_args)
     capacities = default_capacities(health)
     gpu_ids = [d for d in capacities if d != CPU_DEVICE]
     report.device = gpu_ids[0] if gpu_ids else CPU_DEVICE
     report.budget_bytes = capacities.get(report.device, 0)
     total = 0
     largest = 0
+    misfit = False
+    explicit = len(config.models)
+    indices = list(model_indices or ())
+    indices += range(len(indices), explicit)  # models added in code (the demo model)
     for i, model in enumerate(models_from_dir(config.models, config.engine.models_dir)):
-        key = f"models[{i}] ({model.id})"
+        key = (
+            f"models[{indices[i]}] ({model.id})"
+            if i < explicit
+            else f"engine.models_dir ({model.id})"
+        )
         if model.external:
             report.plans[model.id] = {"summary": f"external engine at {model.url}"}
             continue
+        check_args(f"{key}.args", model.args)
         assert model.path is not None
         path = Path(model.path)
         if not path.is_file():
@@ -109,19 +155,6 @@ def check_config(config: Config, health: DeviceHealth | None) -> CheckReport:
                 f"{key}.path: {model.path!r} is not a usable GGUF: {exc.message}"
             )
             continue
-        try:
-            build_argv(
-                binary=engine.path if engine else Path("llama-server"),
-                model_path=str(path),
-                port=0,
-                parallel=model.parallel,
-                ctx_per_slot=model.ctx_per_slot,
-                slot_save_dir=config.state_dir / "slots" / model.id,
-                host_args=config.engine.extra_args,
-                user_args=model.args,
-            )
-        except GezelError as exc:
-            report.problems.append(f"{key}.args: {exc.message}")
         if model.rpc:
             report.plans[model.id] = {
                 "summary": f"layers on the RPC workers {', '.join(model.rpc)} (planned at each "
@@ -144,6 +177,7 @@ def check_config(config: Config, health: DeviceHealth | None) -> CheckReport:
             summary += " (" + "; ".join(plan.reasons) + ")"
         report.plans[model.id] = {**plan.as_dict(), "summary": summary}
         if not plan.fits:
+            misfit = True
             report.problems.append(
                 f"{key}: does not fit {report.device} ({format_bytes(report.budget_bytes)}): "
                 + "; ".join(plan.reasons)
@@ -152,7 +186,7 @@ def check_config(config: Config, health: DeviceHealth | None) -> CheckReport:
         largest = max(largest, plan.total_bytes)
     swap = config.gpu.policy == "swap"
     needed = largest if swap else total
-    if needed > report.budget_bytes and not report.problems:
+    if needed > report.budget_bytes and not misfit:
         report.problems.append(
             f"gpu.policy: {config.gpu.policy!r} keeps "
             + ("one model" if swap else "every model")

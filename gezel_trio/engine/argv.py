@@ -77,6 +77,38 @@ def kv_shape_flags(args: Sequence[str]) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(out.items()))
 
 
+def arg_problems(args: Sequence[str]) -> list[str]:
+    """What the host refuses in one list of engine flags (a model's ``args`` or
+    ``engine.extra_args``), one line each, unlabelled: ``--host``/``--port`` (the host
+    chooses them), ``--cache-ram`` (see above), and ``--parallel``/``--ctx-size`` that are
+    not whole numbers or a ``--parallel`` below 1. Whether the engine knows a flag at all
+    is for its own parser (:mod:`gezel_trio.engine.flags`)."""
+    out: list[str] = []
+    for flag, what in _RESERVED.items():
+        if any(a == flag or a.startswith(flag + "=") for a in args):
+            out.append(f"{flag} is chosen by the host (it needs to know the {what}); remove it")
+    if any(a in _CACHE_RAM or a.startswith("--cache-ram=") for a in args):
+        out.append(
+            "--cache-ram is chosen by the host. llama-server's RAM prompt cache "
+            "is shared by every session of an engine and hands one session's KV to "
+            "another whose prompt shares a prefix, even after an erase; the host keeps it "
+            "off and parks each session's KV in its own store instead. Remove it (size "
+            "that store with [scheduler] kv_store_bytes)"
+        )
+    for flag in ("--parallel", "--ctx-size"):
+        value = last_arg_value(args, flag)
+        if value is None:
+            continue
+        try:
+            number = int(value)
+        except ValueError:
+            out.append(f"{flag} needs a whole number, got {value!r}")
+            continue
+        if flag == "--parallel" and number < 1:
+            out.append("--parallel must be at least 1 (the host schedules slots)")
+    return out
+
+
 @dataclass(frozen=True)
 class LaunchProfile:
     """The effective shape of an engine, read back from its final argv."""
@@ -102,28 +134,19 @@ def build_argv(
     user_args: Sequence[str] = (),
     n_gpu_layers: int | None = None,
     embeddings: bool = False,
+    reranking: bool = False,
     alias: str | None = None,
     rpc: Sequence[str] = (),
 ) -> LaunchProfile:
-    """The full argv. Raises :class:`ConfigError` if the user's args try to move host or port.
+    """The full argv. Raises :class:`ConfigError` naming the first of :func:`arg_problems`
+    in ``user_args`` (``models.args``), then in ``host_args`` (``engine.extra_args``).
 
     ``alias`` (the model id) is what the engine names its model in responses.
     """
-    for flag, what in _RESERVED.items():
-        if any(a == flag or a.startswith(flag + "=") for a in user_args):
-            raise ConfigError(
-                f"models.args: {flag} is chosen by the host (it needs to know the {what}); "
-                "remove it"
-            )
     for where, args in (("models.args", user_args), ("engine.extra_args", host_args)):
-        if any(a in _CACHE_RAM or a.startswith("--cache-ram=") for a in args):
-            raise ConfigError(
-                f"{where}: --cache-ram is chosen by the host. llama-server's RAM prompt cache "
-                "is shared by every session of an engine and hands one session's KV to "
-                "another whose prompt shares a prefix, even after an erase; the host keeps it "
-                "off and parks each session's KV in its own store instead. Remove it (size "
-                "that store with [scheduler] kv_store_bytes)"
-            )
+        problems = arg_problems(args)
+        if problems:
+            raise ConfigError(f"{where}: {problems[0]}", detail=[f"{where}: {p}" for p in problems])
     argv: list[str] = [
         str(binary),
         "--model",
@@ -149,6 +172,8 @@ def build_argv(
         argv += ["--n-gpu-layers", str(n_gpu_layers)]
     if embeddings:
         argv += ["--embeddings"]
+    if reranking:
+        argv += ["--reranking"]
     if rpc:
         argv += ["--rpc", ",".join(rpc)]
     argv += list(host_args)
