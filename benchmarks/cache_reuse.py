@@ -1,6 +1,6 @@
 """Cache reuse on the ``small`` demo model: 4 sessions x 6 growing turns on 2 slots.
 
-    python -m benchmarks.cache_reuse [--turns 6] [--sessions 4] [--growth 96]
+    python -m benchmarks.cache_reuse [--turns 6] [--sessions 4] [--growth 96] [--keyless]
 
 Writes a native trace in which each session's turn repeats its previous
 prompt and appends new blocks (an agent's growing context), then replays it
@@ -8,7 +8,9 @@ with ``gezel-trio bench`` against llama-server directly and through
 gezel-trio (default, and with KV parking off), closed loop, on the same
 binary, model and slots. Reports the share of prompt tokens served from the
 engine's cache (``cache_hit_ratio``) and the share an unlimited per-session
-cache would serve (``oracle``). Results land in benchmarks/results/cache-reuse/.
+cache would serve (``oracle``). Results land in benchmarks/results/cache-reuse/
+(``cache-reuse-keyless/`` with ``--keyless``: the same work sent with no session key,
+as most clients send it).
 """
 
 from __future__ import annotations
@@ -65,9 +67,11 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--growth", type=int, default=96, help="blocks added per turn")
     ap.add_argument("--block", type=int, default=4, help="tokens per block")
+    ap.add_argument("--keyless", action="store_true", help="send no session key")
     args = ap.parse_args()
-    OUT.mkdir(parents=True, exist_ok=True)
-    trace = OUT / "trace.jsonl"
+    out = OUT.with_name(OUT.name + "-keyless") if args.keyless else OUT
+    out.mkdir(parents=True, exist_ok=True)
+    trace = out / "trace.jsonl"
     write_trace(
         trace, sessions=args.sessions, turns=args.turns, growth=args.growth, block=args.block
     )
@@ -82,7 +86,8 @@ def main() -> None:
         "--ctx-per-slot", str(ctx),
         "--mode", "closed",
         "--compare", "--check",
-        "--out", str(OUT),
+        "--out", str(out),
+        *(["--keyless"] if args.keyless else []),
     ]  # fmt: skip
     print("+", " ".join(cmd), flush=True)
     raise SystemExit(subprocess.call(cmd))

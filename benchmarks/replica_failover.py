@@ -69,9 +69,19 @@ class Outcome:
     member: str | None
     """The replica the chat was last routed to, read right after its answer."""
     own_prefix: int = 0
-    """What the chat's KV may hold of this prompt (its previous prompt and answer): the
-    most it may find cached; a keyless request may find none."""
+    """What its owner's KV may hold of this prompt: a chat's previous prompt and answer;
+    for a keyless request, what it shares with an earlier keyless prompt (the keyless
+    requests of one caller are one owner). The most it may find cached."""
     error: str | None = None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,10 +238,16 @@ async def run(
                         sent = len(prompt) + N_PREDICT  # its KV: the prompt and the answer
                         prompt = prompt + [rng.randrange(300, 500) for _ in range(8)]
 
+                keyless_sent: list[list[int]] = []
+
                 async def keyless_loop(i: int) -> None:
                     while time.monotonic() < stop_at:
                         prompt = [5 + i, *(rng.randrange(300, 500) for _ in range(40))]
-                        await request(None, prompt, 0)
+                        # the keyless requests share one owner (``keyless = "shared"``):
+                        # the most one may find cached is what it shares with another's
+                        own = max((_common_prefix(prompt, p) for p in keyless_sent), default=0)
+                        keyless_sent.append(prompt)
+                        await request(None, prompt, own)
 
                 at_kill: dict[str, Any] = {}
 

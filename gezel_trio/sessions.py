@@ -11,6 +11,11 @@ dir and derives, with HMAC-SHA256:
 - a **session** from the caller and the chat's name
   (:meth:`SessionKeys.session`): the identity the scheduler, the slot table
   and KV parking use from the API inward. They never see a raw name.
+- a **keyless owner** from the caller alone (:meth:`SessionKeys.keyless`): the
+  one owner of all the caller's requests that name no session, with
+  ``[scheduler] keyless = "shared"``. No name of any caller gives it.
+
+:meth:`SessionKeys.owner` picks the right one for a request.
 
 What logs, status, metrics and park file names show is :func:`session_hash`
 of a session: a prefix of that HMAC. Without the secret nobody can tell which
@@ -29,6 +34,7 @@ import secrets
 import stat
 from pathlib import Path
 
+from .config import KeylessMode
 from .errors import ConfigError
 
 log = logging.getLogger("gezel_trio.sessions")
@@ -50,6 +56,7 @@ SECRET_BYTES = 32
 _CALLER = b"gezel-trio/caller/v1\x00key\x00"
 _LOCAL = b"gezel-trio/caller/v1\x00local"
 _SESSION = b"gezel-trio/session/v1\x00"
+_KEYLESS = b"gezel-trio/keyless/v1\x00"
 
 _ID = re.compile(r"[0-9a-f]{64}")
 
@@ -131,6 +138,32 @@ class SessionKeys:
         return self._mac(
             _SESSION + caller.encode("ascii") + b"\x00" + name.encode("utf-8", "surrogatepass")
         )
+
+    def keyless(self, caller: str) -> str:
+        """The owner of ``caller``'s keyless requests (``[scheduler] keyless = "shared"``):
+        distinct from every session of every caller, and from every other caller's.
+
+        ``caller`` must come from :meth:`caller`.
+        """
+        if not is_session_id(caller):
+            raise ValueError("caller must be an identity from SessionKeys.caller()")
+        return self._mac(_KEYLESS + caller.encode("ascii"))
+
+    def owner(self, caller: str, name: str | None, *, keyless: KeylessMode) -> str | None:
+        """The owner of a request of ``caller`` that names the session ``name`` (None:
+        none), for the scheduler's ``session``: :meth:`session` for a name; for a
+        keyless request, :meth:`keyless` in ``shared`` mode and None in ``blind``
+        mode (a blind job, sent with ``cache_prompt`` off). ``conversation`` is
+        refused by the config (ValueError here)."""
+        if name is not None:
+            return self.session(caller, name)
+        if keyless == "shared":
+            return self.keyless(caller)
+        if keyless == "blind":
+            if not is_session_id(caller):
+                raise ValueError("caller must be an identity from SessionKeys.caller()")
+            return None
+        raise ValueError(f"keyless mode {keyless!r} is not available")
 
     def _mac(self, message: bytes) -> str:
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()

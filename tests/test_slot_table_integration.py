@@ -37,7 +37,13 @@ CHAT = {
 
 
 def _cfg(
-    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary, *, parallel: int, **model: Any
+    tiny_model: Path,
+    state_dir: Path,
+    engine_binary: EngineBinary,
+    *,
+    parallel: int,
+    keyless: str = "shared",
+    **model: Any,
 ) -> Any:
     return make_config(
         [
@@ -47,6 +53,7 @@ def _cfg(
         ],
         state_dir=state_dir,
         engine_binary=engine_binary,
+        scheduler={"keyless": keyless},
     )
 
 
@@ -83,7 +90,8 @@ async def _request(
 async def test_upstream_calls_on_the_critical_path(
     tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
 ) -> None:
-    cfg = _cfg(tiny_model, state_dir, engine_binary, parallel=1)
+    """In ``keyless = "blind"`` mode (keyless requests have no owner)."""
+    cfg = _cfg(tiny_model, state_dir, engine_binary, parallel=1, keyless="blind")
     with trio.fail_after(120):
         async with running(cfg) as (host, client):
             # keyless: the completion alone; its slot is erased once idle, off the path
@@ -111,8 +119,9 @@ async def test_a_keyless_request_reuses_nothing_the_slot_held(
 ) -> None:
     """Two identical keyless prompts back to back on one slot: the second is not
     erased before, and the engine reports no cached token for it (it was sent with
-    cache_prompt off). The same prompt keyed does get the cache."""
-    cfg = _cfg(tiny_model, state_dir, engine_binary, parallel=1)
+    cache_prompt off), in ``keyless = "blind"`` mode. The same prompt keyed does get
+    the cache."""
+    cfg = _cfg(tiny_model, state_dir, engine_binary, parallel=1, keyless="blind")
     body = {**CHAT, "max_tokens": 2}
     with trio.fail_after(120):
         async with running(cfg) as (host, client):

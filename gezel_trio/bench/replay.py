@@ -76,6 +76,9 @@ class ReplayConfig:
     extra_body: Mapping[str, Any] | None = None
     models: tuple[str, ...] = ()
     """When set, turn ``i`` of every session goes to ``models[i % len(models)]``."""
+    keyless: bool = False
+    """Send no session key (no ``prompt_cache_key``, no ``X-Session-Id``), as most
+    clients do: the host's ``[scheduler] keyless`` policy decides what they share."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("closed", "open"):
@@ -100,6 +103,7 @@ class ReplayConfig:
             "time_scale": self.time_scale,
             "request_timeout": self.request_timeout,
             "models": list(self.models),
+            "keyless": self.keyless,
         }
 
 
@@ -533,8 +537,13 @@ class _Replay:
             seed=_request_seed(config.seed, turn),
             extra=dict(config.extra_body) if config.extra_body else None,
         )
+        if config.keyless:
+            body.pop("prompt_cache_key", None)
         request = self.client.build_request(
-            "POST", endpoint_path(config.api), json=body, headers=_headers(turn.session)
+            "POST",
+            endpoint_path(config.api),
+            json=body,
+            headers={} if config.keyless else _headers(turn.session),
         )
         self.progress.in_flight += 1
         start = trio.current_time()

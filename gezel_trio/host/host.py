@@ -53,6 +53,7 @@ from ..replicas import MemberView, ReplicaRouter
 from ..scheduler import (
     Grant,
     JobKind,
+    Prefix,
     Scheduler,
     SchedulerSettings,
     SlotRequest,
@@ -224,14 +225,17 @@ class Host:
         runtime: ModelRuntime,
         *,
         session: str | None = None,
+        keyless: bool = False,
+        prefix: Prefix = (),
         kind: JobKind = "completion",
         any_slot: bool = False,
         needs_slot: bool = True,
         pool: bool = False,
     ) -> SlotRequest:
         """``async with host.slot(runtime, session=...) as grant``: hold a slot of
-        ``runtime``'s engine for the block (see :meth:`Scheduler.slot`; ``pool``: a
-        replica's job that any sibling may take).
+        ``runtime``'s engine for the block (see :meth:`Scheduler.slot`: ``session``
+        is the owner, ``keyless`` says it is a caller's keyless owner, ``prefix``
+        the request's blocks; ``pool``: a replica's job that any sibling may take).
 
         The block runs once the model is resident, its turn has come and the slot
         is prepared; the engine is held (no idle or pressure release) from
@@ -243,6 +247,8 @@ class Host:
         return self.scheduler.slot(
             runtime.id,
             session=session,
+            keyless=keyless,
+            prefix=prefix,
             kind=kind,
             any_slot=any_slot,
             needs_slot=needs_slot,
@@ -251,18 +257,24 @@ class Host:
 
     @asynccontextmanager
     async def completion_slot(
-        self, runtime: ModelRuntime, *, session: str | None = None
+        self,
+        runtime: ModelRuntime,
+        *,
+        session: str | None = None,
+        keyless: bool = False,
+        prefix: Prefix = (),
     ) -> AsyncIterator[tuple[ModelRuntime, Grant]]:
         """``async with host.completion_slot(runtime, session=s) as (member, grant)``:
-        :meth:`slot` for a completion, across a replicated model's members.
+        :meth:`slot` for a completion, across a replicated model's members
+        (``session``, ``keyless`` and ``prefix`` as there).
 
         ``member`` is the engine the grant is on: for a replica, another member than
         ``runtime`` when the scheduler moved the job (a sibling with a free slot
-        took a job whose session has no KV anywhere, or ``runtime`` went down and
-        handed its queue on). When the slot cannot be had because the engine
-        failed (it could not be started, reached or made safe: nothing was sent),
-        the request queues again on another member that has not failed it, until
-        none is left; then the last error is raised. A request on an external
+        took a job whose session has no KV anywhere, or a keyless owner's job, or
+        ``runtime`` went down and handed its queue on). When the slot cannot be had
+        because the engine failed (it could not be started, reached or made safe:
+        nothing was sent), the request queues again on another member that has not
+        failed it, until none is left; then the last error is raised. A request on an external
         engine is abandoned (EngineAbandoned) when that engine fails its health
         checks meanwhile. Cancellation behaves as :meth:`slot`.
         """
@@ -273,10 +285,12 @@ class Host:
             while True:
                 holds = public is not None and session is not None and self._holds(runtime, session)
                 held = holds if held is None else held
-                pool = public is not None and not holds
+                pool = public is not None and (keyless or not holds)
                 try:
                     grant = await stack.enter_async_context(
-                        self.slot(runtime, session=session, pool=pool)
+                        self.slot(
+                            runtime, session=session, keyless=keyless, prefix=prefix, pool=pool
+                        )
                     )
                     break
                 except (EngineFailed, EngineCrashed, NoCapacity) as exc:
@@ -293,7 +307,7 @@ class Host:
                     )
                     runtime = self.resolve_model(public, session=session, avoid=tried)
             member = self.models.get(grant.model_id, runtime)
-            if public is not None and session is not None and member is not runtime:
+            if public is not None and session is not None and not keyless and member is not runtime:
                 router = self.routers.setdefault(public, ReplicaRouter())
                 router.rehome(session, member.id, lost_kv=bool(held))
             if not (member.config.external and self.serving):

@@ -1,8 +1,9 @@
 """The scheduler: every request into the right engine slot, fairly, with no cross-chat KV.
 
 :mod:`.policy` holds the pure rules (queue ordering, turns, fairness, capacity,
-pinning); :mod:`.slots` the slot table (what each slot holds, who is pinned to
-it); :mod:`.dispatcher` is the Trio layer (:func:`open_scheduler`,
+pinning); :mod:`.slots` the slot table (what each slot holds, who owns and who
+is pinned to it); :mod:`.prefix` a request's prefix blocks (placement within an
+owner); :mod:`.dispatcher` is the Trio layer (:func:`open_scheduler`,
 ``async with scheduler.slot(...)``).
 """
 
@@ -31,6 +32,7 @@ from gezel_trio.scheduler.policy import (
     admission_capacity,
     hash_session,
 )
+from gezel_trio.scheduler.prefix import Prefix, prefix_blocks
 from gezel_trio.scheduler.slots import Content, SlotTable
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "JobKind",
     "LaneInfo",
     "ParkingLane",
+    "Prefix",
     "Residency",
     "Scheduler",
     "SchedulerClosed",
@@ -55,4 +58,5 @@ __all__ = [
     "admission_capacity",
     "hash_session",
     "open_scheduler",
+    "prefix_blocks",
 ]

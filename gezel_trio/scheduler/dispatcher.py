@@ -18,17 +18,19 @@ dispatcher. A granted job holds its engine from that moment (the lane's
 
 The caller's ``async with`` then takes the GPU lease and *prepares* the slot
 from the model's :class:`~gezel_trio.scheduler.slots.SlotTable`: it parks the
-outgoing session's KV (unless its parked copy is current), restores the
-caller's own parked KV, or erases the slot, recording each transition before
-the I/O. Only a slot whose content is the caller's own session's, or empty, is
-handed over to a keyed job; when an erase is not acknowledged the request
-fails (503) and the slot stays unknown. A keyless job is blind
+outgoing owner's KV (unless its parked copy is current, or the owner is a
+caller's keyless owner, whose KV is only erased), restores the caller's own
+parked KV, or erases the slot, recording each transition before the I/O. Only
+a slot whose content is the job's own owner's, or empty, is handed over to a
+job with an owner (a named session, or a caller's keyless owner); when an
+erase is not acknowledged the request fails (503) and the slot stays unknown.
+A keyless job without an owner (``[scheduler] keyless = "blind"``) is blind
 (``grant.blind``: the caller sends it with ``cache_prompt`` off, so it reads
 nothing the slot held) and needs no erase before it. Exit records what the
-slot now holds and wakes the dispatcher on every path. The slot a keyless job
+slot now holds and wakes the dispatcher on every path. The slot a blind job
 leaves is erased off the critical path once it has stayed idle for
-``idle_erase_delay`` (pinned until the engine acknowledges), or before a keyed
-job takes it, whichever comes first.
+``idle_erase_delay`` (pinned until the engine acknowledges), or before an
+owner's job takes it, whichever comes first.
 
 For engines the host spawned, free slots come from the table; ``/slots`` is
 only sampled to reconcile (after each engine start, every
@@ -81,6 +83,7 @@ from gezel_trio.scheduler.policy import (
     SchedulerStats,
     SlotMeasurement,
 )
+from gezel_trio.scheduler.prefix import Prefix
 from gezel_trio.scheduler.slots import Content
 
 __all__ = [
@@ -323,6 +326,8 @@ class Scheduler:
         model_id: str,
         *,
         session: str | None = None,
+        keyless: bool = False,
+        prefix: Prefix = (),
         kind: JobKind = "completion",
         any_slot: bool = False,
         needs_slot: bool = True,
@@ -330,11 +335,20 @@ class Scheduler:
     ) -> SlotRequest:
         """Wait for a slot of ``model_id`` and hold it for the ``async with`` block.
 
+        ``session`` is the request's owner: a caller's named session, or with
+        ``keyless`` the caller's keyless owner
+        (:meth:`~gezel_trio.sessions.SessionKeys.keyless`), whose KV is erased and
+        never parked when its slot changes owner. ``None`` is a blind keyless job
+        (``grant.blind``: sent with ``cache_prompt`` off). ``prefix``: the
+        request's blocks (:func:`~gezel_trio.scheduler.prefix.prefix_blocks`), so
+        that it goes to its owner's slot it continues; ``()`` when unknown (its
+        owner's most recently used free slot).
+
         The block is entered once the model is resident, the job's turn has come,
         its slot is pinned and prepared: ``grant.slot_id`` holds nothing but
-        ``session``'s KV (``None``: keyless) or nothing at all, and the GPU lease
-        is held. ``kind`` other than ``"completion"`` is exclusive: it runs alone
-        on a drained engine with ``grant.slot_id`` ``None``. ``any_slot``: the
+        ``session``'s KV or nothing at all (anything for a blind job), and the GPU
+        lease is held. ``kind`` other than ``"completion"`` is exclusive: it runs
+        alone on a drained engine with ``grant.slot_id`` ``None``. ``any_slot``: the
         engine picks the slot (embeddings), so the job waits for and holds every
         slot. ``needs_slot`` False: the call occupies capacity but sends nothing
         to a slot (tokenize, props on an engine that must be made resident).
@@ -359,6 +373,8 @@ class Scheduler:
             model_id=model_id,
             kind=kind,
             session=session,
+            keyless=keyless and session is not None,
+            prefix=tuple(prefix),
             any_slot=any_slot,
             needs_slot=needs_slot and not any_slot and kind == "completion",
             pool=pool and kind == "completion" and not any_slot,
@@ -564,6 +580,7 @@ class Scheduler:
                 parking
                 and calls == 0
                 and job.session is not None
+                and not job.keyless  # a keyless owner is never parked: no miss
                 and owner != job.session
                 and not prep.restore
             ):
@@ -683,6 +700,7 @@ class Scheduler:
             if (
                 entry.content is not Content.OWNED
                 or session is None
+                or entry.keyless  # a keyless owner's KV is never parked
                 or entry.pin is not None
                 or entry.held_out
                 or (entry.parked_current and lane.is_parked(session))

@@ -32,24 +32,31 @@ The rules, in the order the policy applies them (see the issue-3 seed):
    engine (it may have other clients) they are the table's free slots that a
    fresh ``/slots`` sample names idle. Zero capacity with none of our jobs
    running asks the Trio layer to poll ``/slots`` (reconciliation).
-6. OWNERSHIP. Each model has a :class:`~gezel_trio.scheduler.slots.SlotTable`:
-   per slot its content (fresh, clean, owned by a session, keyless-dirty,
-   unknown), its pin and the engine generation. The Trio layer prepares a
-   pinned slot (park, restore or erase) from the table before the job runs,
-   recording every transition before the I/O that causes it, and a job never
-   runs on a slot whose content is not its own session's or empty.
-   *Forgetting* (an exclusive op, ``forget_slots``) makes every slot unknown:
-   each is erased before its next use. A new engine generation makes every
-   slot fresh and keeps the pins of running jobs.
-7. AFFINITY. Within a turn, jobs whose session holds a slot go first, pinned to
-   that slot when it is free; everything else is FIFO.
+6. OWNERSHIP. A job's ``session`` is its owner: a caller's named session, or
+   the caller's keyless owner that all its keyless requests share (``None``
+   only for a blind keyless job). Each model has a
+   :class:`~gezel_trio.scheduler.slots.SlotTable`: per slot its content
+   (fresh, clean, owned, blind-dirty, unknown), its pin and the engine
+   generation. The Trio layer prepares a pinned slot (park, restore or erase)
+   from the table before the job runs, recording every transition before the
+   I/O that causes it, and a job never runs on a slot whose content is not its
+   own owner's or empty. *Forgetting* (an exclusive op, ``forget_slots``)
+   makes every slot unknown: each is erased before its next use. A new engine
+   generation makes every slot fresh and keeps the pins of running jobs.
+7. AFFINITY. Within a turn, jobs whose owner holds a slot go first; everything
+   else is FIFO. An owner may hold several slots: a job goes to its owner's
+   free slot that its request continues (:func:`choose_slot`), and two jobs of
+   one owner never wait for each other while a slot is free.
 8. THE POOL. A family's members share their queued work. A job submitted with
    ``pool`` set (its session holds no KV anywhere, or it has none) may run on
    any member: a member with room takes such jobs from its siblings' claimed
-   queues, earliest first. A member whose load fails (or whose ``/slots`` cannot
-   be sampled) is *down*: its queued completions move to a live sibling, in
-   their queue order, and are counted (``failovers``); with no live sibling they
-   fail (or wait) as a single model's would. A job's ``model_id`` is the member
+   queues, earliest first. So may a keyless owner's job even where its owner
+   holds KV: a caller's keyless requests are many conversations, and they
+   must not queue on one member while another has room. A member whose load
+   fails (or whose ``/slots`` cannot be sampled) is *down*: its queued
+   completions move to a live sibling, in their queue order, and are counted
+   (``failovers``); with no live sibling they fail (or wait) as a single
+   model's would. A job's ``model_id`` is the member
    it was granted on.
 9. PINNING. Every admitted job that uses a slot is pinned to a distinct slot id
    from the table. No job is ever admitted unpinned: when no id can be named
@@ -73,7 +80,8 @@ from enum import Enum
 from typing import Literal, Protocol
 
 from gezel_trio.errors import QueueFull, UnknownModel
-from gezel_trio.scheduler.slots import SlotTable
+from gezel_trio.scheduler.prefix import Prefix, is_prefix, shared_blocks
+from gezel_trio.scheduler.slots import Content, SlotTable
 from gezel_trio.sessions import session_hash
 
 __all__ = [
@@ -200,7 +208,9 @@ class Job:
 
     model_id: str
     kind: JobKind = "completion"
-    session: str | None = None
+    session: str | None = None  # its owner (None: a blind keyless job)
+    keyless: bool = False  # ``session`` is a caller's keyless owner (never parked)
+    prefix: Prefix = ()  # the request's prefix blocks (placement within its owner)
     seq: int = -1
     submitted_at: float = 0.0
     state: JobState = JobState.QUEUED
@@ -357,28 +367,27 @@ def choose_slot(
     *,
     session: str | None,
     table: SlotTable,
+    prefix: Prefix = (),
     wanted: Callable[[str], bool] = lambda _session: False,
 ) -> int | None:
-    """Pick the slot a job of ``session`` is pinned to, from ``free`` (not modified).
+    """Pick the slot a job of ``session`` (its owner; None: blind) is pinned to, from
+    ``free`` (not modified). ``prefix``: the request's blocks (:mod:`.prefix`).
 
-    The session's own slot first (most recently used); otherwise the cheapest
-    handoff (:meth:`SlotTable.handoff_cost`: a keyless job takes a keyless slot
-    first, a keyed one a clean slot, and displacing a session's KV comes last),
+    An owner may hold several slots. Among its free ones: the slot whose recorded
+    blocks are the longest prefix of the request (the request continues it), else
+    the most recently used one whose blocks or the request's are unknown. When
+    every one of them holds another of the owner's conversations (their blocks
+    diverge from the request's), a fresh or clean slot goes first, so that the
+    other conversation stays, then the owner's slot sharing the most blocks
+    (least recently used first). Otherwise the cheapest handoff
+    (:meth:`SlotTable.handoff_cost`: a blind job takes a blind job's slot first,
+    an owner's job a clean slot, and displacing another owner's KV comes last),
     then one whose owner has no job waiting in this turn (``wanted`` says which
     owners do), least recently used first, then the lowest id. ``None`` when
     ``free`` is empty.
     """
     if not free:
         return None
-    if session is not None:
-        best: int | None = None
-        for slot in free:
-            if table.owner(slot) == session and (
-                best is None or table.last_used(slot) > table.last_used(best)
-            ):
-                best = slot
-        if best is not None:
-            return best
 
     def cost(slot: int) -> tuple[int, bool, int, int]:
         owner = table.owner(slot)
@@ -389,6 +398,22 @@ def choose_slot(
             slot,
         )
 
+    own = [slot for slot in free if session is not None and table.owner(slot) == session]
+    if own:
+
+        def fit(slot: int) -> tuple[int, int]:
+            blocks = table.blocks(slot)
+            if is_prefix(blocks, prefix):
+                return len(blocks), table.last_used(slot)
+            return (0 if not blocks or not prefix else -1), table.last_used(slot)
+
+        best = max(own, key=fit)
+        if fit(best)[0] >= 0:
+            return best
+        clean = [slot for slot in free if table.content(slot) in (Content.FRESH, Content.CLEAN)]
+        if clean:
+            return min(clean, key=cost)
+        return max(own, key=lambda s: (shared_blocks(table.blocks(s), prefix), -table.last_used(s)))
     return min(free, key=cost)
 
 
@@ -632,7 +657,7 @@ class _Turn:
     def pool_jobs(self, *, skip: _Model | None = None) -> list[Job]:
         """Claimed jobs any member may take (see THE POOL), earliest first, among the
         first :data:`STEAL_SCAN` of each member but ``skip``: pool jobs whose session
-        holds no slot, and every job of a down member."""
+        holds no slot (or that is a keyless owner's), and every job of a down member."""
         found: list[Job] = []
         for model in self.family.members:
             if model is skip:
@@ -640,7 +665,7 @@ class _Turn:
             for i, job in enumerate(model.queue.prefix()):
                 if i >= STEAL_SCAN or job.seq >= self.bound:
                     break
-                if model.down or (job.pool and not self._held(job.session)):
+                if model.down or (job.pool and (job.keyless or not self._held(job.session))):
                     found.append(job)
         found.sort(key=lambda j: j.seq)
         return found
@@ -1278,7 +1303,7 @@ class SchedulerPolicy:
         """The slot ``job`` is pinned to, taken out of ``free`` (None: it uses none)."""
         if not job.needs_slot:
             return None
-        pin = choose_slot(free, session=job.session, table=table, wanted=wanted)
+        pin = choose_slot(free, session=job.session, table=table, prefix=job.prefix, wanted=wanted)
         assert pin is not None  # the caller checked there is room
         free.remove(pin)
         if job.session is not None and table.owner(pin) == job.session:
@@ -1355,7 +1380,7 @@ class SchedulerPolicy:
         if slot is None or table.pinned_to(slot) is not job:
             return  # no slot, or the engine restarted with fewer slots
         if job.ran:
-            table.completed(slot, job, job.session)
+            table.completed(slot, job, job.session, keyless=job.keyless, blocks=job.prefix)
         table.unpin(slot, job)
 
     def forget_slots(self, model_id: str) -> None:

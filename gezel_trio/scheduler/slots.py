@@ -3,14 +3,22 @@
 The host owns one :class:`SlotTable` per engine. It is the only record of slot
 state the scheduler trusts: free slot ids come from it (not from a ``GET /slots``
 sample on the request path), and a job may run on a slot only when the table
-says the slot holds nothing but the job's own session.
+says the slot holds nothing but the job's own owner's KV.
+
+An *owner* is what the API layer hands the scheduler as a job's ``session``: a
+caller's named session, or (``[scheduler] keyless = "shared"``) the caller's
+*keyless owner*, which all of that caller's keyless requests share
+(:meth:`gezel_trio.sessions.SessionKeys.keyless`). Both are owners like any
+other: KV never crosses from one to another. A keyless owner's KV is never
+parked, only erased on handoff (see :meth:`SlotTable.preparation`). In
+``"blind"`` mode a keyless request has no owner (``session`` None).
 
 Each slot has a *content*:
 
 - ``FRESH``: untouched since this engine generation began;
 - ``CLEAN``: an erase was acknowledged and nothing ran since;
-- ``OWNED``: holds one session's KV (``session``);
-- ``KEYLESS``: a keyless job ran on it (dirty: erased before anyone's next use);
+- ``OWNED``: holds one owner's KV (``session``; ``keyless`` for a keyless owner);
+- ``KEYLESS``: a blind keyless job ran on it (dirty: erased before anyone's next use);
 - ``UNKNOWN``: nothing vouches for it (an erase, restore or completion was sent
   and not acknowledged, an exclusive op used the engine freely, or
   reconciliation found work the host did not send). Erased before any use.
@@ -21,12 +29,16 @@ Every transition is recorded *before* the I/O that causes it: a slot becomes
 acknowledged the erase or restore, or the completion has ended. A cancelled
 erase therefore leaves the slot ``UNKNOWN``, never falsely ``CLEAN``.
 
-A keyed job runs only on a slot that holds its own session's KV or nothing. A
-keyless job is *blind*: it is sent with ``cache_prompt`` off, so the engine
-re-evaluates its whole prompt and reuses nothing the slot held (measured on
-llama-server: ``timings.cache_n`` is 0), and it may run on any slot without an
-erase. What it leaves (``KEYLESS``) is erased before a keyed job uses the slot,
-and in the background once the slot has stayed idle.
+A job with an owner runs only on a slot that holds that owner's KV or nothing.
+A job without one is *blind*: it is sent with ``cache_prompt`` off, so the
+engine re-evaluates its whole prompt and reuses nothing the slot held (measured
+on llama-server: ``timings.cache_n`` is 0), and it may run on any slot without
+an erase. What it leaves (``KEYLESS``) is erased before an owner's job uses the
+slot, and in the background once the slot has stayed idle.
+
+An ``OWNED`` slot also records the *prefix blocks* of the last request that ran
+on it (:mod:`.prefix`; ``()`` when unknown), so that the scheduler can send an
+owner's request to the slot it continues. Blocks decide placement only.
 
 A *pin* (the job holding a slot) is separate from content. Pins survive an
 engine restart (:meth:`SlotTable.sync` makes every slot ``FRESH``, and a pinned
@@ -44,6 +56,7 @@ import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from gezel_trio.scheduler.prefix import Prefix
 from gezel_trio.sessions import session_hash
 
 __all__ = ["Content", "Preparation", "SlotEntry", "SlotTable", "SlotTableStats"]
@@ -59,7 +72,8 @@ class Content(enum.Enum):
 
 @dataclass(slots=True)
 class SlotEntry:
-    """One slot. ``session`` is set only while ``content`` is ``OWNED``."""
+    """One slot. ``session``, ``keyless`` and ``blocks`` describe an ``OWNED`` slot's
+    owner and are reset with every other content."""
 
     id: int
     content: Content = Content.FRESH
@@ -68,9 +82,26 @@ class SlotEntry:
     held_out: bool = False
     parked_current: bool = False
     """The owner's parked copy (KV parking) equals the slot's content: no save needed."""
+    keyless: bool = False
+    """The owner is a caller's keyless owner: its KV is erased, never parked, on handoff."""
+    blocks: Prefix = ()
+    """Prefix blocks of the last request that ran on it (``()``: unknown)."""
     last_used: int = 0
     released: int = 0
     """The table's tick when the slot was last unpinned (for reconciliation races)."""
+
+    def hold(
+        self,
+        content: Content,
+        session: str | None = None,
+        *,
+        parked_current: bool = False,
+        keyless: bool = False,
+        blocks: Prefix = (),
+    ) -> None:
+        """Record what the slot holds now (an owner only with ``OWNED``)."""
+        self.content, self.session, self.parked_current = content, session, parked_current
+        self.keyless, self.blocks = keyless, blocks
 
     def safe_for(self, session: str | None) -> bool:
         """Whether a job of ``session`` may run on this slot as it is (a keyless job
@@ -174,8 +205,14 @@ class SlotTable:
                 new.pin = entry.pin
                 new.last_used = entry.last_used
                 if not restarted:  # same process, new size: keep what we knew
-                    new.content, new.session = entry.content, entry.session
-                    new.held_out, new.parked_current = entry.held_out, entry.parked_current
+                    new.hold(
+                        entry.content,
+                        entry.session,
+                        parked_current=entry.parked_current,
+                        keyless=entry.keyless,
+                        blocks=entry.blocks,
+                    )
+                    new.held_out = entry.held_out
             elif entry.pin is not None:
                 lost.append(entry.pin)
         return lost
@@ -184,7 +221,7 @@ class SlotTable:
         """Nothing vouches for any slot any more (an exclusive op used the engine as
         it pleased): each becomes ``UNKNOWN`` and is erased before its next use."""
         for entry in self.slots:
-            entry.content, entry.session, entry.parked_current = Content.UNKNOWN, None, False
+            entry.hold(Content.UNKNOWN)
 
     # ------------------------------------------------------------------ pins
 
@@ -231,6 +268,11 @@ class SlotTable:
     def last_used(self, slot: int) -> int:
         return self.slots[slot].last_used
 
+    def blocks(self, slot: int) -> Prefix:
+        """The prefix blocks of the last request that ran on an ``OWNED`` slot (``()``:
+        unknown, or not owned)."""
+        return self.slots[slot].blocks
+
     def handoff_cost(self, slot: int, session: str | None) -> int:
         return self.slots[slot].handoff_cost(session)
 
@@ -258,15 +300,20 @@ class SlotTable:
         """What a job of ``session`` needs done to ``slot`` before it runs (no I/O).
 
         With ``parking``: the outgoing owner's KV is saved first unless its parked
-        copy is current, and the job's own parked KV is restored in place of an
-        erase. A keyless job needs no erase (it is blind), only the park of a
-        session it displaces. ``erase_on_handoff`` off (a benchmark baseline) skips
-        the erase of another session's or a keyless job's KV, never of ``UNKNOWN``.
+        copy is current (a keyless owner's never is: it is only erased), and the
+        job's own parked KV is restored in place of an erase. A blind job
+        (``session`` None) needs no erase, only the park of a session it
+        displaces. ``erase_on_handoff`` off (a benchmark baseline) skips the erase
+        of another owner's or a blind job's KV, never of ``UNKNOWN``.
         """
         entry = self.slots[slot]
         owner = entry.session if entry.content is Content.OWNED else None
         # The owner's copy needs saving unless it is current and still on disk.
-        stale = owner is not None and not (entry.parked_current and is_parked(owner))
+        stale = (
+            owner is not None
+            and not entry.keyless
+            and not (entry.parked_current and is_parked(owner))
+        )
         if session is None:
             return Preparation(park=owner) if parking and stale else NOTHING_TO_PREPARE
         if entry.safe_for(session):
@@ -288,38 +335,48 @@ class SlotTable:
     def sending(self, slot: int, job: object) -> None:
         """``job`` is about to send an erase, restore or completion to ``slot``: from
         now until the engine acknowledges, nothing vouches for its content."""
-        entry = self._pinned(slot, job)
-        entry.content, entry.session, entry.parked_current = Content.UNKNOWN, None, False
+        self._pinned(slot, job).hold(Content.UNKNOWN)
 
     def erased(self, slot: int, job: object) -> None:
         """The engine acknowledged an erase of ``slot`` sent by ``job``."""
-        entry = self._pinned(slot, job)
-        entry.content, entry.session, entry.parked_current = Content.CLEAN, None, False
+        self._pinned(slot, job).hold(Content.CLEAN)
 
     def restored(self, slot: int, job: object, session: str) -> None:
         """The engine acknowledged a restore of ``session``'s parked KV into ``slot``."""
-        entry = self._pinned(slot, job)
-        entry.content, entry.session, entry.parked_current = Content.OWNED, session, True
+        self._pinned(slot, job).hold(Content.OWNED, session, parked_current=True)
 
     def parked(self, slot: int, job: object, session: str) -> None:
-        """``session``'s KV in ``slot`` was saved (acknowledged): its parked copy is current."""
+        """``session``'s KV in ``slot`` was saved (acknowledged): its parked copy is current,
+        and no longer that of any other slot of ``session`` (the save replaced it)."""
         entry = self._pinned(slot, job)
         if entry.content is Content.OWNED and entry.session == session:
+            for other in self.slots:
+                if other.session == session:
+                    other.parked_current = False
             entry.parked_current = True
 
-    def completed(self, slot: int, job: object, session: str | None) -> None:
+    def completed(
+        self,
+        slot: int,
+        job: object,
+        session: str | None,
+        *,
+        keyless: bool = False,
+        blocks: Prefix = (),
+    ) -> None:
         """``job``'s completion on ``slot`` ended (finished, failed or cancelled).
 
         The job ran only on a slot that was safe for it, so the slot now holds its
-        session's KV and nothing else (keyless: dirty).
+        owner's KV and nothing else (``session`` None, a blind job: dirty).
+        ``keyless``: the owner is a caller's keyless owner; ``blocks``: the prefix
+        blocks of the job's request.
         """
         entry = self._pinned(slot, job)
-        entry.parked_current = False
         entry.last_used = self._advance()
         if session is None:
-            entry.content, entry.session = Content.KEYLESS, None
+            entry.hold(Content.KEYLESS)
         else:
-            entry.content, entry.session = Content.OWNED, session
+            entry.hold(Content.OWNED, session, keyless=keyless, blocks=blocks)
 
     def _pinned(self, slot: int, job: object) -> SlotEntry:
         if not 0 <= slot < len(self.slots):
@@ -348,8 +405,7 @@ class SlotTable:
                     if not entry.held_out:
                         newly.append(entry.id)
                     entry.held_out = True
-                    entry.content, entry.session = Content.UNKNOWN, None
-                    entry.parked_current = False
+                    entry.hold(Content.UNKNOWN)
             elif entry.held_out:
                 entry.held_out = False
         return newly

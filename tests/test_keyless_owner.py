@@ -1,0 +1,479 @@
+"""Keyless requests as owners (``[scheduler] keyless``), scoped by caller.
+
+In ``shared`` mode a caller's keyless requests are one owner
+(:meth:`SessionKeys.keyless`): sent with ``cache_prompt`` on, they reuse what
+that owner left in its slots, and like any owner its KV is erased before a slot
+changes owner (never parked). ``blind`` mode is what the other tests check.
+
+First the policy without I/O (placement, spreading, handoffs, the slot table's
+model with keyless owners in it), then the engine's own cache accounting
+against a real llama-server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import invariant, precondition, rule
+
+from gezel_trio.config import ModelConfig, apply_env, config_from_mapping
+from gezel_trio.engine.binary import EngineBinary
+from gezel_trio.errors import ConfigError
+from gezel_trio.host import Host, open_host
+from gezel_trio.scheduler.policy import Admit, Job, Load, SchedulerPolicy, choose_slot
+from gezel_trio.scheduler.prefix import (
+    MAX_BLOCKS,
+    Prefix,
+    is_prefix,
+    prefix_blocks,
+    shared_blocks,
+)
+from gezel_trio.scheduler.slots import Content, Preparation, SlotTable
+from gezel_trio.sessions import SessionKeys
+
+from .conftest import make_config
+from .test_slot_table import SlotTableMachine
+
+KEYS = SessionKeys(b"k" * 32)
+ANN, BEA = KEYS.caller("key-ann"), KEYS.caller("key-bea")
+ANN_KEYLESS, BEA_KEYLESS = KEYS.keyless(ANN), KEYS.keyless(BEA)
+
+
+# --------------------------------------------------------------------------- identities
+
+
+def test_a_callers_keyless_owner_is_stable_scoped_and_no_session() -> None:
+    assert KEYS.keyless(ANN) == ANN_KEYLESS != BEA_KEYLESS
+    assert SessionKeys(b"x" * 32).keyless(ANN) != ANN_KEYLESS  # another secret
+    local = KEYS.caller(None)
+    owners = {ANN_KEYLESS, BEA_KEYLESS, KEYS.keyless(local)}
+    for caller in (ANN, BEA, local):
+        for name in ("", "keyless", ANN_KEYLESS, "\x00"):
+            assert KEYS.session(caller, name) not in owners
+    with pytest.raises(ValueError, match="caller"):
+        KEYS.keyless("key-ann")  # a raw key is not a caller
+
+
+def test_owner_picks_the_session_the_keyless_owner_or_none() -> None:
+    for mode in ("shared", "blind"):
+        assert KEYS.owner(ANN, "chat", keyless=mode) == KEYS.session(ANN, "chat")
+    assert KEYS.owner(ANN, None, keyless="shared") == ANN_KEYLESS
+    assert KEYS.owner(ANN, None, keyless="blind") is None
+    with pytest.raises(ValueError, match="not available"):
+        KEYS.owner(ANN, None, keyless="conversation")
+    with pytest.raises(ValueError, match="caller"):
+        KEYS.owner("key-ann", None, keyless="blind")
+
+
+def test_the_keyless_setting() -> None:
+    assert config_from_mapping({}).scheduler.keyless == "shared"
+    assert config_from_mapping({"scheduler": {"keyless": "blind"}}).scheduler.keyless == "blind"
+    with pytest.raises(ConfigError, match=r"scheduler\.keyless: 'conversation' .* not available"):
+        config_from_mapping({"scheduler": {"keyless": "conversation"}})
+    with pytest.raises(ConfigError, match=r"scheduler\.keyless: expected one of"):
+        config_from_mapping({"scheduler": {"keyless": "anyone"}})
+    cfg = config_from_mapping({})
+    apply_env(cfg, {"GEZEL_SCHEDULER_KEYLESS": "blind"})
+    assert cfg.scheduler.keyless == "blind"
+
+
+# --------------------------------------------------------------------------- prefix blocks
+
+
+def test_prefix_blocks_chain_every_block_before() -> None:
+    a = prefix_blocks(["system", "user 1", "assistant 1", "user 2"])
+    assert a == prefix_blocks([b"system", b"user 1", b"assistant 1", b"user 2"])
+    assert prefix_blocks(["system", "user 1"]) == a[:2]
+    b = prefix_blocks(["system", "user 1", "assistant 1'", "user 2"])
+    assert shared_blocks(a, b) == 2 and shared_blocks(a, a) == 4 and shared_blocks(a, ()) == 0
+    assert a[3] != b[3]  # the same last block after a different one is another prefix
+    assert prefix_blocks(["ab", "c"]) != prefix_blocks(["a", "bc"])  # boundaries count
+    assert is_prefix(a[:2], a) and is_prefix(a, a) and not is_prefix(a, a[:2])
+    assert not is_prefix((), a) and not is_prefix(b[:3], a)
+    assert len(prefix_blocks(["x"] * (MAX_BLOCKS + 5))) == MAX_BLOCKS
+
+
+# --------------------------------------------------------------------------- the policy
+
+
+@dataclass
+class Lane:
+    """An engine the host spawned: free slots come from the table."""
+
+    model_id: str = "m"
+    parallel: int = 3
+    generation: int = 1
+    display_name: str = "M"
+    sole_client: bool = True
+    family: str | None = None
+
+    @property
+    def slot_count(self) -> int:
+        return self.parallel
+
+
+class Driver:
+    """Plays the dispatcher: plans, loads, admits, settles (no I/O)."""
+
+    def __init__(self, slots: int = 3) -> None:
+        self.policy = SchedulerPolicy([Lane(parallel=slots)])
+        self.now = 0.0
+
+    @property
+    def table(self) -> SlotTable:
+        return self.policy.table("m")
+
+    def submit(self, owner: str | None, prefix: Prefix = (), *, keyless: bool = True) -> Job:
+        job = Job(model_id="m", session=owner, keyless=keyless and owner is not None)
+        job.prefix = prefix
+        return self.policy.enqueue(job, now=self.now)
+
+    def step(self) -> list[Job]:
+        started: list[Job] = []
+        for _ in range(10):
+            actions = self.policy.plan()
+            for action in actions:
+                if isinstance(action, Load):
+                    self.policy.load_done(action.model_id)
+                elif isinstance(action, Admit):
+                    started.extend(self.policy.admit(action.model_id, None, now=self.now).jobs)
+            if not actions:
+                break
+        return started
+
+    def run(self, owner: str | None, prefix: Prefix = (), *, keyless: bool = True) -> int:
+        """One request from submission to its end; returns its slot. Checks that the
+        slot is safe for it once prepared as the dispatcher would."""
+        job = self.submit(owner, prefix, keyless=keyless)
+        (started,) = self.step()
+        assert started is job and job.slot_id is not None
+        self.finish(job)
+        return job.slot_id
+
+    def prepare(self, job: Job, *, parking: bool = True) -> Preparation:
+        """What the dispatcher would do to the job's slot before sending it (acknowledged)."""
+        assert job.slot_id is not None
+        table = self.table
+        prep = table.preparation(job.slot_id, job.session, parking=parking)
+        if prep.park is not None:
+            table.parked(job.slot_id, job, prep.park)
+        if prep.erase:
+            table.sending(job.slot_id, job)
+            table.erased(job.slot_id, job)
+        assert table.safe_for(job.slot_id, job.session)
+        return prep
+
+    def finish(self, job: Job) -> Preparation:
+        prep = self.prepare(job)
+        assert job.slot_id is not None
+        self.table.sending(job.slot_id, job)
+        job.ran = True
+        self.now += 1
+        self.policy.settle(job, now=self.now)
+        return prep
+
+
+def test_a_callers_keyless_requests_reuse_their_owners_slot() -> None:
+    d = Driver()
+    first = d.run(ANN_KEYLESS)
+    entry = d.table.slots[first]
+    assert (entry.content, entry.session, entry.keyless) == (Content.OWNED, ANN_KEYLESS, True)
+    for _ in range(3):  # fresh slots are free, but the owner's KV is in this one
+        job = d.submit(ANN_KEYLESS)
+        (started,) = d.step()
+        assert started.slot_id == first
+        assert d.finish(job) == Preparation()  # nothing to do: its own KV
+    assert d.policy.snapshot().erases["skipped_same_session"] == 3
+
+
+def test_concurrent_keyless_requests_of_one_caller_spread_over_free_slots() -> None:
+    d = Driver(slots=3)
+    home = d.run(ANN_KEYLESS)
+    jobs = [d.submit(ANN_KEYLESS) for _ in range(3)]
+    started = d.step()
+    assert started == jobs  # none waits for the owner's slot while others are free
+    assert jobs[0].slot_id == home and len({j.slot_id for j in jobs}) == 3
+    for job in jobs:
+        d.finish(job)
+    assert set(d.table.holders()) == {ANN_KEYLESS}
+    assert sorted(d.table.holders()[ANN_KEYLESS]) == [0, 1, 2]  # one owner, three slots
+    # while one request runs on a slot, the next one takes another at once
+    running = d.submit(ANN_KEYLESS)
+    assert d.step() == [running]
+    later = d.submit(ANN_KEYLESS)
+    assert d.step() == [later] and later.slot_id != running.slot_id
+
+
+def test_a_keyless_request_goes_to_the_slot_it_continues() -> None:
+    d = Driver(slots=3)
+    a1 = prefix_blocks(["sys", "agent A 1"])
+    b1 = prefix_blocks(["sys", "agent B 1"])
+    slot_a = d.run(ANN_KEYLESS, a1)
+    slot_b = d.run(ANN_KEYLESS, b1)
+    assert slot_b != slot_a  # B continues nothing there: a fresh slot keeps A's KV
+    for turn in range(2, 7):  # two agents alternate: each continues its own slot
+        a = prefix_blocks(["sys", "agent A 1", *(f"A {i}" for i in range(2, turn + 1))])
+        b = prefix_blocks(["sys", "agent B 1", *(f"B {i}" for i in range(2, turn + 1))])
+        assert d.run(ANN_KEYLESS, a) == slot_a
+        assert d.run(ANN_KEYLESS, b) == slot_b
+    # a third conversation takes the last fresh slot; a fourth finds none and replaces
+    # the owner's slot sharing most of its blocks, its own owner's (no erase)
+    slot_c = d.run(ANN_KEYLESS, prefix_blocks(["sys", "agent C 1"]))
+    assert slot_c not in (slot_a, slot_b)
+    job = d.submit(ANN_KEYLESS, prefix_blocks(["other sys", "agent D 1"]))
+    (started,) = d.step()
+    assert started.slot_id == slot_a  # none shares a block: the least recently used
+    assert d.finish(job) == Preparation()
+    # a request whose blocks are unknown goes to the owner's most recently used slot
+    assert d.run(ANN_KEYLESS) == slot_a
+
+
+def test_choose_slot_within_an_owner() -> None:
+    table = SlotTable(4, generation=1)
+    a = prefix_blocks(["s", "a", "a2"])
+    b = prefix_blocks(["s", "b"])
+    for slot, blocks in ((0, a[:2]), (1, b), (2, a)):
+        job = object()
+        table.pin(slot, job)
+        table.sending(slot, job)
+        table.completed(slot, job, "owner", keyless=True, blocks=blocks)
+        table.unpin(slot, job)
+    free = [0, 1, 2, 3]
+    longer = prefix_blocks(["s", "a", "a2", "a3"])
+    assert choose_slot(free, session="owner", table=table, prefix=longer) == 2  # longest
+    assert choose_slot([0, 1, 3], session="owner", table=table, prefix=longer) == 0
+    assert choose_slot(free, session="owner", table=table) == 2  # unknown: most recent
+    other = prefix_blocks(["s", "c"])
+    assert choose_slot(free, session="owner", table=table, prefix=other) == 3  # clean first
+    # no clean slot: the owner's slot sharing the most blocks, least recently used first
+    assert choose_slot([0, 1, 2], session="owner", table=table, prefix=other) == 0
+    assert choose_slot([1, 2], session="owner", table=table, prefix=other) == 1
+    # blocks never take another owner's slot
+    assert choose_slot([0, 1, 2, 3], session="someone", table=table, prefix=longer) == 3
+
+
+def test_a_keyless_owners_kv_is_erased_never_parked_when_its_slot_changes_owner() -> None:
+    d = Driver(slots=1)
+    d.run(ANN_KEYLESS)
+    named = KEYS.session(ANN, "chat")
+    for incoming in (named, BEA_KEYLESS):  # a session, another caller's keyless owner
+        table = d.table
+        assert not table.safe_for(0, incoming)
+        assert table.preparation(0, incoming, parking=True) == Preparation(erase=True)
+        assert table.preparation(0, incoming, parking=False) == Preparation(erase=True)
+        assert table.preparation(0, None, parking=True) == Preparation()  # blind: nothing
+    job = d.submit(BEA_KEYLESS)
+    assert d.step() == [job]
+    assert d.finish(job) == Preparation(erase=True)
+    assert d.table.owner(0) == BEA_KEYLESS
+    # a named session's KV displaced by a keyless owner is parked first, as between sessions
+    d.run(named, keyless=False)  # (erases Bea's keyless KV before)
+    prep = d.table.preparation(0, ANN_KEYLESS, parking=True)
+    assert prep == Preparation(park=named, erase=True)
+    assert d.table.preparation(0, ANN_KEYLESS) == Preparation(erase=True)
+
+
+def test_two_callers_keyless_owners_never_share_a_slot() -> None:
+    d = Driver(slots=2)
+    ann = d.run(ANN_KEYLESS)
+    bea = d.run(BEA_KEYLESS)
+    assert bea != ann  # a fresh slot rather than an erase of Ann's
+    assert d.table.holders() == {ANN_KEYLESS: [ann], BEA_KEYLESS: [bea]}
+    for _ in range(2):  # alternating, each keeps its own
+        assert d.run(ANN_KEYLESS) == ann and d.run(BEA_KEYLESS) == bea
+    # when Bea's slot is busy, her next request takes Ann's, erased first
+    busy = d.submit(BEA_KEYLESS)
+    d.step()
+    job = d.submit(BEA_KEYLESS)
+    assert d.step() == [job]
+    assert job.slot_id == ann and d.finish(job) == Preparation(erase=True)
+    d.finish(busy)
+    assert set(d.table.holders()) == {BEA_KEYLESS}
+
+
+def test_a_save_makes_the_other_slots_of_its_session_stale() -> None:
+    table = SlotTable(2, generation=1)
+    jobs = [object(), object()]
+    for slot, job in enumerate(jobs):
+        table.pin(slot, job)
+        table.sending(slot, job)
+        table.completed(slot, job, "chat")
+        table.parked(slot, job, "chat")  # each save replaces the session's one parked file
+    assert [e.parked_current for e in table.slots] == [False, True]
+    on_disk = {"chat"}.__contains__
+    assert table.preparation(0, "other", parking=True, is_parked=on_disk) == (
+        Preparation(park="chat", erase=True)
+    )
+    assert table.preparation(1, "other", parking=True, is_parked=on_disk) == (
+        Preparation(erase=True)
+    )
+
+
+# --------------------------------------------------------------------------- the model
+
+KEYLESS_OWNERS = ("keyless-of-ann", "keyless-of-bea")
+
+
+class KeylessOwnersMachine(SlotTableMachine):
+    """The slot table's model (``test_slot_table``) with two callers' keyless owners
+    among the sessions: they are owners like any other (a job of one runs only on
+    its own KV or nothing), and their KV is never parked."""
+
+    def _end(self, job: Any, *, tokens: bool) -> None:
+        if tokens:
+            self.truth[job.slot].add(job.token)
+        keyless = job.session in KEYLESS_OWNERS
+        self.table.completed(job.slot, job, job.session, keyless=keyless)
+        job.ended = True
+
+    def _prepare(self, job: Any) -> None:
+        super()._prepare(job)
+        parks = [session for kind, session in job.steps if kind == "park"]
+        assert not set(parks) & set(KEYLESS_OWNERS), f"{job!r} parks a keyless owner"
+
+    @precondition(lambda self: bool(self._pinnable()))
+    @rule(data=st.data(), owner=st.sampled_from(KEYLESS_OWNERS))
+    def submit_keyless_owner(self, data: st.DataObject, owner: str) -> None:
+        self._submit(data.draw(st.sampled_from(self._pinnable()), label="slot"), owner)
+
+    @precondition(lambda self: bool(self._pinnable()))
+    @rule(data=st.data(), owner=st.sampled_from(KEYLESS_OWNERS))
+    def whole_keyless_owner_job(self, data: st.DataObject, owner: str) -> None:
+        SlotTableMachine.whole_job(self, data, owner)
+
+    @invariant()
+    def keyless_owners_are_marked_and_never_parked(self) -> None:
+        assert not set(self.parked) & set(KEYLESS_OWNERS)
+        for entry in self.table.slots:
+            assert entry.keyless == (
+                entry.content is Content.OWNED and entry.session in KEYLESS_OWNERS
+            )
+
+
+KeylessOwnersMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=60, deadline=None
+)
+test_keyless_owners_against_the_engines_truth = KeylessOwnersMachine.TestCase
+
+
+# --------------------------------------------------------------------------- the engine
+
+KEY_ANN, KEY_BEA = "key-ann-0123456789", "key-bea-0123456789"
+# token-id prompts: the second extends the first
+FIRST = [300 + (i * 7) % 200 for i in range(96)]
+EXTENDED = [*FIRST, *(320 + i for i in range(24))]
+
+
+async def _complete(
+    host: Host, mode: str, api_key: str, prompt: list[int]
+) -> tuple[int, int, int | None]:
+    """One keyless ``/completion`` of the caller of ``api_key``, sent as the API layer
+    does: its owner from ``SessionKeys.owner``, ``id_slot`` from the grant and
+    ``cache_prompt`` off when the grant is blind. Returns (cached tokens, upstream
+    calls made before it, slot)."""
+    caller = host.sessions.caller(api_key)
+    owner = host.sessions.owner(caller, None, keyless=mode)  # type: ignore[arg-type]
+    runtime = host.models["tiny"]
+    blocks = prefix_blocks(str(t) for t in prompt)
+    async with host.completion_slot(runtime, session=owner, keyless=True, prefix=blocks) as (
+        member,
+        grant,
+    ):
+        body: dict[str, Any] = {"prompt": prompt, "n_predict": 2, "temperature": 0}
+        body["id_slot"] = grant.slot_id
+        if grant.blind:
+            body["cache_prompt"] = False
+        result = await member.client.forward("POST", "/completion", body=body, slot=grant.slot_id)
+    assert result.head.status == 200, result.content[:300]
+    return int(result.json()["timings"]["cache_n"]), grant.prepare_calls, grant.slot_id
+
+
+@pytest.mark.parametrize("mode", ["shared", "blind"])
+async def test_keyless_cache_on_a_real_engine(
+    tiny_model: Path, tmp_path: Path, engine_binary: EngineBinary, mode: str
+) -> None:
+    """One slot. Ann's keyless request, then one that extends it: the engine reuses
+    the first one's prefix in ``shared`` mode, nothing in ``blind`` mode. Then Bea's
+    keyless request with the same prompt on that slot reuses nothing in either mode
+    (shared: Ann's KV is erased first, not parked), nor does Ann's after hers."""
+    state = tmp_path / "state"
+    state.mkdir()
+    cfg = make_config(
+        [ModelConfig(id="tiny", path=str(tiny_model), parallel=1, ctx_per_slot=1024)],
+        state_dir=state,
+        engine_binary=engine_binary,
+        server={"api_keys": [KEY_ANN, KEY_BEA]},
+        scheduler={"keyless": mode},
+    )
+    with trio.fail_after(120):
+        async with open_host(cfg) as host:
+            assert await _complete(host, mode, KEY_ANN, FIRST) == (0, 0, 0)
+            cached, calls, _ = await _complete(host, mode, KEY_ANN, EXTENDED)
+            assert calls == 0
+            if mode == "shared":
+                assert cached >= len(FIRST) - 1  # its own prefix, as llama-server would
+            else:
+                assert cached == 0
+            # another caller on the same slot: erased first in shared mode (one call, no
+            # save), blind in blind mode; the engine reuses nothing either way
+            await trio.sleep(0.2)  # (blind mode's idle erase of Ann's slot is done)
+            cached, calls, _ = await _complete(host, mode, KEY_BEA, EXTENDED)
+            assert cached == 0
+            assert calls == (1 if mode == "shared" else 0)
+            cached, calls, _ = await _complete(host, mode, KEY_ANN, EXTENDED)
+            assert cached == 0 and calls == (1 if mode == "shared" else 0)
+            runtime = host.models["tiny"]
+            assert runtime.kv_stats.saves == 0  # a keyless owner is never parked
+            assert host.scheduler is not None
+            erases = host.scheduler.statistics().erases
+            assert erases["failed"] == 0
+
+
+def test_a_keyless_owners_jobs_spread_over_replicas_even_where_it_holds_kv() -> None:
+    """A named session's job stays with the replica holding its KV; a keyless owner's
+    (many conversations of one caller) is taken by a sibling with room."""
+    policy = SchedulerPolicy(
+        [Lane("m@0", parallel=1, family="m"), Lane("m@1", parallel=1, family="m")],
+        residency="coexist",
+    )
+
+    def step() -> list[Job]:
+        started: list[Job] = []
+        for _ in range(10):
+            actions = policy.plan()
+            for action in actions:
+                if isinstance(action, Load):
+                    policy.load_done(action.model_id)
+                elif isinstance(action, Admit):
+                    started.extend(policy.admit(action.model_id, None, now=0).jobs)
+            if not actions:
+                break
+        return started
+
+    def submit(session: str, *, keyless: bool) -> Job:
+        job = Job(model_id="m@0", session=session, keyless=keyless, pool=True)
+        return policy.enqueue(job, now=0)
+
+    for owner, keyless in ((ANN_KEYLESS, True), (KEYS.session(ANN, "chat"), False)):
+        first = submit(owner, keyless=keyless)
+        assert step() == [first] and first.model_id == "m@0"
+        first.ran = True
+        policy.settle(first, now=0)
+        assert policy.table("m@0").holds(owner)
+        busy = submit(owner, keyless=keyless)
+        assert step() == [busy] and busy.model_id == "m@0"  # its KV's replica, free
+        waiting = submit(owner, keyless=keyless)
+        if keyless:  # the sibling has room: it takes the job
+            assert step() == [waiting] and waiting.model_id == "m@1"
+            policy.settle(busy, now=0)
+        else:  # bound to its KV: it waits for m@0
+            assert step() == [] and waiting.model_id == "m@0"
+            policy.settle(busy, now=0)
+            assert step() == [waiting] and waiting.model_id == "m@0"
+        policy.settle(waiting, now=0)
