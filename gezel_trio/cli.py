@@ -59,7 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
         config.models.append(ModelConfig(id=p.stem if i == 0 else f"{p.stem}-{i}", path=str(p)))
     validate(config)
     embedded_default(config)
-    setup_logging(config.server.log_level)
+    setup_logging(config.server.log_level, fmt=args.log_format)
     trio.run(serve_until_signalled, config)
     return 0
 
@@ -133,11 +133,31 @@ def _rpc_worker(args: argparse.Namespace) -> int:
 
 def _check_config(args: argparse.Namespace) -> int:
     """Validate the file, then check what serving it would hit (files, flags, the memory
-    plan, the engine binary); print the plan. Exit 0 when serving would start, 2 not."""
+    plan, the engine binary); print the plan and every problem at once. Exit 0 when
+    serving would start, 2 not."""
+    from .config import read_config
     from .config_check import check_config, read_device_health
 
-    config = embedded_default(_load_config(args.config))
-    report = check_config(config, trio.run(read_device_health))
+    try:
+        reading = read_config(args.config)
+    except OSError as exc:  # a directory, no permission, ... (a missing file is a ConfigError)
+        raise ConfigError(
+            f"--config: cannot read {args.config!r}: {(exc.strerror or str(exc)).lower()}"
+        ) from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"--config: cannot read {args.config!r}: not UTF-8 text "
+            f"(byte {exc.object[exc.start]:#04x} at offset {exc.start})"
+        ) from exc
+    config = reading.config
+    if not any(p.startswith("models") for p in reading.problems):
+        embedded_default(config)
+    report = check_config(
+        config,
+        trio.run(read_device_health),
+        problems=reading.problems,
+        model_indices=reading.model_indices,
+    )
     if args.json:
         print(json.dumps({**report.as_dict(), "models": [m.id for m in config.models]}))
     else:
@@ -160,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--models-dir", help="serve every GGUF in this folder (files added later too)"
     )
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--log-format",
+        choices=["auto", "text", "json"],
+        default="auto",
+        help="log lines as text or JSON (default: text on a terminal, JSON otherwise)",
+    )
     serve.set_defaults(func=_serve)
 
     mm = sub.add_parser("make-model", help="generate a deterministic random-weight demo GGUF")
@@ -219,7 +245,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.func(args)
         return code
     except ConfigError as exc:
-        print(f"gezel-trio: config error: {exc.message}", file=sys.stderr)
+        problems = exc.detail if isinstance(exc.detail, list) else []
+        if len(problems) > 1:
+            print(f"gezel-trio: config error: {len(problems)} problems:", file=sys.stderr)
+            for problem in problems:
+                print(f"  {problem}", file=sys.stderr)
+        else:
+            print(f"gezel-trio: config error: {exc.message}", file=sys.stderr)
         return 2
     except GezelError as exc:
         print(f"gezel-trio: {exc.message}", file=sys.stderr)

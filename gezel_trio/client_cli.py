@@ -2,10 +2,12 @@
 ``sessions``: a running host, seen and driven from a terminal.
 
 Each talks to the host's HTTP API at ``--url`` (or ``GEZEL_URL``, default
-``http://127.0.0.1:8080``) with ``--api-key`` (or ``GEZEL_API_KEY``) as the bearer
-key. Output is a table in a terminal and JSON with ``--json``. A host that does not
-answer is one line naming the URL tried, exit status 1; an error the host answers is
-its message, exit status 1.
+``http://127.0.0.1:8080``; ``127.0.0.1:8080`` means ``http://127.0.0.1:8080``) with
+``--api-key`` (or ``GEZEL_API_KEY``) as the bearer key. Output is a table in a terminal
+and JSON with ``--json``. A host that does not answer is one line naming the URL tried,
+exit status 1; a server that answers but is not a gezel-trio host (a plain llama-server,
+say) is one line saying so, exit status 1; an error the host answers is its message,
+exit status 1.
 """
 
 from __future__ import annotations
@@ -33,11 +35,24 @@ class HostError(Exception):
     """The host answered with an error."""
 
 
+class NotAHost(HostError):
+    """Something answers at the URL, but not a gezel-trio host (its message says what)."""
+
+
+def normalize_url(url: str) -> str:
+    """``url`` with ``http://`` in front when it names no scheme (``127.0.0.1:8080``,
+    ``localhost:8080/``), without a trailing slash."""
+    url = url.strip()
+    if "://" not in url:
+        url = "http://" + url
+    return url.rstrip("/")
+
+
 class Client:
     """The HTTP calls the commands make (one ``httpx.Client``; blocking)."""
 
     def __init__(self, url: str, api_key: str | None, *, timeout: float = 30.0) -> None:
-        self.url = url.rstrip("/")
+        self.url = normalize_url(url)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
 
@@ -57,12 +72,54 @@ class Client:
             body = resp.json()
         except ValueError:
             body = None
+        if resp.status_code == 404 and path.startswith("/api/"):
+            self._check_identity(path, resp.status_code)
         if resp.status_code >= 400:
             message = resp.text[:300]
             if isinstance(body, dict) and isinstance(body.get("error"), dict):
                 message = str(body["error"].get("message") or message)
             raise HostError(f"{method} {path}: {resp.status_code}: {message}")
+        if path == "/api/status" and not _is_host_status(body):
+            raise self._not_a_host(f"GET {path} answered 200 without a host's status")
         return body
+
+    def _check_identity(self, path: str, status: int) -> None:
+        """After a 404 on ``path``: raise :class:`NotAHost` unless ``/api/status``
+        answers as a gezel-trio host's does (every host has it)."""
+        if path != "/api/status":
+            try:
+                resp = self._http.get("/api/status")
+            except httpx.TransportError:
+                return
+            if resp.status_code != 404:
+                try:
+                    body = resp.json()
+                except ValueError:
+                    body = None
+                if resp.status_code != 200 or _is_host_status(body):
+                    return  # a host (or one that wants a key): the 404 was its answer
+            path, status = "/api/status", resp.status_code
+        raise self._not_a_host(f"GET {path}: {status}")
+
+    def _not_a_host(self, why: str) -> NotAHost:
+        what = "a server"
+        try:
+            props = self._http.get("/props", timeout=5)
+            body = props.json() if props.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            body = None
+        if isinstance(body, dict) and (
+            "default_generation_settings" in body or "build_info" in body
+        ):
+            what = "a plain llama-server"
+        return NotAHost(
+            f"{self.url} is not a gezel-trio host: {what} answers there ({why}). "
+            "Point --url (or $GEZEL_URL) at the host's own address."
+        )
+
+
+def _is_host_status(body: object) -> bool:
+    return isinstance(body, dict) and isinstance(body.get("engines"), list)
 
 
 # ------------------------------------------------------------------ formatting
@@ -98,8 +155,24 @@ def human_seconds(s: object) -> str | None:
     return f"{s / 3600:.1f}h"
 
 
+HOLDS_MEMORY = frozenset({"starting", "ready", "stopping"})
+"""The engine states in which a process holds (or is taking) its planned memory."""
+
+
+def failure_of(engine: dict[str, Any]) -> str | None:
+    """Why a model is down (its engine's last failure), while it is: a failed start or a
+    crash (``failed``), or the backoff before the next try; None otherwise."""
+    failure = engine.get("failure")
+    if failure:
+        return str(failure)
+    if engine.get("state") == "failed" and engine.get("last_crash"):
+        return str(engine["last_crash"])
+    return None
+
+
 def ps_rows(status: dict[str, Any]) -> list[list[object]]:
-    """One row per model from ``/api/status``."""
+    """One row per model from ``/api/status``. MEMORY is the engine's planned bytes while
+    its process holds them (starting, ready, stopping); a stopped or failed one holds none."""
     sched = status.get("scheduler") or {}
     running = sched.get("running") or {}
     tables = sched.get("slots") or {}
@@ -111,21 +184,46 @@ def ps_rows(status: dict[str, Any]) -> list[list[object]]:
         slots = tables.get(model) or {}
         contents = slots.get("contents") or {}
         parallel = e.get("parallel") or slots.get("slots")
+        state = e.get("state")
+        if e.get("external"):
+            memory: str | None = "external"
+        elif state in HOLDS_MEMORY:
+            memory = human_bytes(plan.get("total_bytes"))
+        else:
+            memory = None
         rows.append(
             [
                 model,
-                e.get("state"),
-                "external" if e.get("external") else human_bytes(plan.get("total_bytes")),
+                state,
+                memory,
                 f"{running.get(model, 0)}/{parallel}" if parallel else None,
                 contents.get("owned", 0),
                 f"{kv.get('parked', 0)} ({human_bytes(kv.get('bytes', 0))})" if kv else "off",
-                human_seconds(e.get("idle_seconds")) if e.get("state") == "ready" else None,
+                human_seconds(e.get("idle_seconds")) if state == "ready" else None,
             ]
         )
     return rows
 
 
 PS_HEADERS = ("MODEL", "STATE", "MEMORY", "BUSY", "SESSIONS", "PARKED", "IDLE")
+
+
+def ps_text(status: dict[str, Any]) -> str:
+    """The ``ps`` table, then one line per model that is down saying why."""
+    lines = [table(ps_rows(status), PS_HEADERS)]
+    for e in status.get("engines") or []:
+        why = failure_of(e)
+        if why:
+            lines.append(f"{e.get('model')} {e.get('state')}: {why}")
+    return "\n".join(lines)
+
+
+def ps_json(status: dict[str, Any]) -> list[dict[str, object]]:
+    """``ps --json``: the table's rows as objects, with REASON (:func:`failure_of`)."""
+    return [
+        {**dict(zip(PS_HEADERS, row, strict=True)), "REASON": failure_of(e)}
+        for row, e in zip(ps_rows(status), status.get("engines") or [], strict=True)
+    ]
 
 
 # ------------------------------------------------------------------ commands
@@ -137,12 +235,7 @@ def _emit(out: TextIO, value: Any, *, as_json: bool, text: Callable[[Any], str])
 
 def cmd_ps(client: Client, args: argparse.Namespace, out: TextIO) -> int:
     status = client.call("GET", "/api/status")
-    _emit(
-        out,
-        [dict(zip(PS_HEADERS, row, strict=True)) for row in ps_rows(status)],
-        as_json=args.json,
-        text=lambda _v: table(ps_rows(status), PS_HEADERS),
-    )
+    _emit(out, ps_json(status), as_json=args.json, text=lambda _v: ps_text(status))
     return 0
 
 
@@ -157,7 +250,7 @@ def cmd_status(client: Client, args: argparse.Namespace, out: TextIO) -> int:
             f"policy {cfg.get('policy')} ({cfg.get('resolved_policy')}), "
             f"queue {sched.get('queued', 0)}/{sched.get('max_queue', '?')}"
         )
-        return head + "\n\n" + table(ps_rows(s), PS_HEADERS)
+        return head + "\n\n" + ps_text(s)
 
     _emit(out, status, as_json=args.json, text=text)
     return 0
@@ -217,7 +310,9 @@ def add_client_commands(sub: Any) -> None:
     """Register the client commands on the ``gezel-trio`` subparsers."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
-        "--url", help=f"the host (default: $GEZEL_URL, else {DEFAULT_URL})", default=None
+        "--url",
+        help=f"the host, e.g. 127.0.0.1:8080 (default: $GEZEL_URL, else {DEFAULT_URL})",
+        default=None,
     )
     common.add_argument("--api-key", help="bearer key (default: $GEZEL_API_KEY)", default=None)
     common.add_argument("--json", action="store_true", help="JSON instead of a table")

@@ -126,3 +126,101 @@ def test_sessions_of_the_caller(host_url: str) -> None:
     assert len(mine["sessions"]) == 1 and mine["sessions"][0]["slots"]
     text = _cli("sessions", url=host_url, key="k-user").stdout.splitlines()
     assert text[0].split() == ["SESSION", "IN", "SLOT", "PARKED"] and "tiny#" in text[1]
+
+
+def test_ps_says_why_a_model_failed_and_memory_only_while_held(
+    tmp_path: Path, tiny_model: Path, engine_binary: EngineBinary
+) -> None:
+    """A model whose engine refuses its flags shows ``failed`` with the engine's own reason;
+    memory shows for the engine that holds it, not for the stopped or failed one; and the
+    URL may be given without its scheme."""
+    port = free_port()
+    cfg = tmp_path / "gezel.toml"
+    cfg.write_text(
+        f"[server]\nport = {port}\n"
+        f'[engine]\nstate_dir = "{tmp_path / "state"}"\nbinary = "{engine_binary.path}"\n'
+        f'[[models]]\nid = "tiny"\npath = "{tiny_model}"\nparallel = 2\nctx_per_slot = 512\n'
+        f'[[models]]\nid = "broken"\npath = "{tiny_model}"\nparallel = 1\nctx_per_slot = 512\n'
+        'args = ["--no-such-flag"]\n'
+    )
+    bare = f"127.0.0.1:{port}"  # no scheme
+    with host_process(cfg, port):
+        failed = _cli("load", "broken", url=bare, key=None)
+        assert failed.returncode == 1 and "invalid argument: --no-such-flag" in failed.stderr
+        assert _cli("load", "tiny", url=bare, key=None).returncode == 0
+        result = _cli("ps", url=bare, key=None)
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        rows = {line.split()[0]: line.split() for line in lines[1:3]}
+        assert rows["tiny"][1] == "ready" and rows["tiny"][3] == "MiB"  # "67.9 MiB"
+        assert rows["broken"][1:3] == ["failed", "-"]  # holds no memory
+        (why,) = lines[3:]
+        assert why.startswith("broken failed: ") and "--no-such-flag" in why, why
+        rows_json = {r["MODEL"]: r for r in json.loads(_cli("ps", "--json", url=bare).stdout)}
+        assert rows_json["broken"]["MEMORY"] is None and rows_json["tiny"]["REASON"] is None
+        assert "--no-such-flag" in rows_json["broken"]["REASON"]
+        status = _cli("status", url=bare, key=None)
+        assert "broken failed: " in status.stdout and "--no-such-flag" in status.stdout
+        assert _cli("unload", "tiny", url=bare, key=None).returncode == 0
+        stopped = json.loads(_cli("ps", "--json", url=bare).stdout)
+        assert {r["MODEL"]: r["MEMORY"] for r in stopped}["tiny"] is None
+
+
+def test_a_server_that_is_not_a_host_is_named_so(
+    tmp_path: Path, tiny_model: Path, engine_binary: EngineBinary
+) -> None:
+    """Pointed at a plain llama-server (it answers, but /api/status is 404), every client
+    command says that this is not a gezel-trio host, in one line."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(engine_binary.path), "-m", str(tiny_model), "--port", str(port), "-c", "256"],
+        env=engine_binary.launch_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # until the server answers
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        for args in (("ps",), ("status",), ("load", "tiny"), ("sessions",)):
+            result = _cli(*args, url=f"127.0.0.1:{port}")
+            assert result.returncode == 1, result
+            err = result.stderr.strip()
+            assert err.startswith(f"gezel-trio: http://127.0.0.1:{port} is not a gezel-trio host")
+            assert "a plain llama-server answers there" in err and len(err.splitlines()) == 1
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def test_ps_rows_from_a_status() -> None:
+    from gezel_trio.client_cli import failure_of, normalize_url, ps_json, ps_text
+
+    plan = {"total_bytes": 71_248_128}
+    status = {
+        "engines": [
+            {"model": "a", "state": "ready", "plan": plan, "parallel": 2, "idle_seconds": 3},
+            {"model": "b", "state": "stopped", "plan": plan},
+            {"model": "c", "state": "failed", "plan": plan, "failure": "exited (code 1): boom"},
+            {"model": "d", "state": "starting", "plan": plan, "failure": "restart backoff 2.0s"},
+            {"model": "e", "state": "ready", "external": True},
+        ]
+    }
+    rows = {r["MODEL"]: r for r in ps_json(status)}
+    assert rows["a"]["MEMORY"] == "67.9 MiB" and rows["d"]["MEMORY"] == "67.9 MiB"
+    assert rows["b"]["MEMORY"] is None and rows["c"]["MEMORY"] is None
+    assert rows["e"]["MEMORY"] == "external"
+    assert rows["c"]["REASON"] == "exited (code 1): boom" and rows["a"]["REASON"] is None
+    assert failure_of({"state": "failed", "last_crash": "x"}) == "x"
+    assert ps_text(status).splitlines()[-2:] == [
+        "c failed: exited (code 1): boom",
+        "d starting: restart backoff 2.0s",
+    ]
+    assert normalize_url("127.0.0.1:8080/") == "http://127.0.0.1:8080"
+    assert normalize_url("https://h:1") == "https://h:1"

@@ -5,6 +5,7 @@ Needs Debian's ``chromium`` and ``chromium-driver`` (``.ci/run`` installs them).
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -40,6 +41,7 @@ def _drive(url: str, paths: tuple[str, str], expect: dict[str, Any], shots: Path
     """Run in a worker thread: open the dashboard, type the admin key, read it, press its
     buttons, and take screenshots at a laptop's and a phone's width."""
     from selenium import webdriver
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support import expected_conditions as ec
@@ -108,9 +110,19 @@ def _drive(url: str, paths: tuple[str, str], expect: dict[str, Any], shots: Path
         out["local_keys"] = driver.execute_script("return localStorage.length")
         out["page_text"] = driver.find_element(By.TAG_NAME, "body").text
         # the buttons work: unload, then load again
-        card.find_element(By.CSS_SELECTOR, "button.unload").click()
+
+        def click(css: str) -> None:  # a card that changed is a new node: find it again
+            def clicked(d: webdriver.Chrome) -> bool:
+                d.find_element(By.CSS_SELECTOR, css).click()
+                return True
+
+            WebDriverWait(driver, 20, ignored_exceptions=(StaleElementReferenceException,)).until(
+                clicked
+            )
+
+        click(f"{card_css} button.unload")
         wait.until(ec.text_to_be_present_in_element(state, "stopped"))
-        driver.find_element(By.CSS_SELECTOR, f"{card_css} button.load").click()
+        click(f"{card_css} button.load")
         wait.until(ec.text_to_be_present_in_element(state, "ready"))
         out["action"] = driver.find_element(By.ID, "action-result").text
         # laptop and phone widths: screenshots, and nothing wider than the screen
@@ -191,7 +203,7 @@ async def test_dashboard_shows_live_state_and_its_buttons_work(
     if readings:  # a machine with a GPU: its name and temperature are shown
         assert readings[0]["name"] in out["gpu_table"]
     else:
-        assert "no GPU readings" in out["gpu"]
+        assert out["gpu"] == "No GPU: serving on the CPU" and "NVML" not in out["page_text"]
     assert out["conn"] == "live" and out["auth_hidden"]
     assert out["session_key"] == ADMIN_KEY and out["local_keys"] == 0
     # no raw JSON anywhere on the page
@@ -203,3 +215,156 @@ async def test_dashboard_shows_live_state_and_its_buttons_work(
         shot = tmp_path / f"dashboard-{name}.png"
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
     assert out["refreshed"]
+
+
+def _chromium_cli(paths: tuple[str, str], profile: Path, *args: str) -> str:
+    """One headless Chromium run as a person would script it: no flag that waits for
+    anything past the page's load (no virtual time budget, no delay)."""
+    import subprocess
+
+    result = subprocess.run(
+        [
+            paths[0],
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--no-first-run",
+            f"--user-data-dir={profile}",
+            "--window-size=1366,900",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+def _first_paint_and_after(url: str, paths: tuple[str, str], shots: Path) -> dict[str, Any]:
+    """Run in a worker thread: the page's DOM and a screenshot at its load, then the page
+    in a browser once it has lived 5 s (and polled since)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    out: dict[str, Any] = {}
+    profile = Path(tempfile.mkdtemp(prefix="gezel-chromium-"))
+    try:
+        out["dom"] = _chromium_cli(paths, profile / "a", "--dump-dom", url)
+        _chromium_cli(paths, profile / "b", f"--screenshot={shots / 'first-paint.png'}", url)
+        opts = webdriver.ChromeOptions()
+        opts.binary_location = paths[0]
+        for arg in (
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--no-first-run",
+            "--window-size=1366,900",
+            f"--user-data-dir={profile / 'c'}",
+        ):
+            opts.add_argument(arg)
+        driver = webdriver.Chrome(service=Service(executable_path=paths[1]), options=opts)
+        try:
+            driver.set_page_load_timeout(20)
+            driver.get(url)
+            # at load, before any poll: what the host served the page with
+            out["loaded_cards"] = len(driver.find_elements(By.CSS_SELECTOR, ".card"))
+            first = driver.find_element(By.ID, "updated").text
+            WebDriverWait(driver, 20, poll_frequency=0.1).until(
+                lambda d: (
+                    d.execute_script("return performance.now()") >= 5000
+                    and d.find_element(By.ID, "updated").text != first
+                )
+            )
+            driver.save_screenshot(str(shots / "after-5s.png"))
+            # read in one script: the page re-renders its rows every second
+            out.update(
+                driver.execute_script(
+                    """
+                    const text = (sel) => document.querySelector(sel).innerText;
+                    return {
+                      card: text('.card[data-model="tiny"]'),
+                      ttft_cells: [...document.querySelectorAll('#activity td.ttft')]
+                        .map((td) => td.innerText),
+                      ttft_now: text('#ttft-now'),
+                      gpu: text('#gpu-summary'),
+                      page_text: document.body.innerText,
+                    };
+                    """
+                )
+            )
+        finally:
+            driver.quit()
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)
+    return out
+
+
+async def test_the_first_paint_shows_the_models(
+    tiny_model: Path,
+    state_dir: Path,
+    engine_binary: EngineBinary,
+    browser_paths: tuple[str, str],
+    tmp_path: Path,
+) -> None:
+    """The quick start's host (no keys): a headless Chromium screenshot taken at the page's
+    load, with no flag that waits, shows the models, the requests and the GPU line; after
+    5 s the page has polled and still does. ``GEZEL_DASHBOARD_SHOTS=DIR`` keeps both
+    screenshots (``dashboard-first-paint.png``, ``dashboard-5s.png``) in DIR."""
+    import re
+
+    cfg = make_config(
+        [ModelConfig(id="tiny", path=str(tiny_model), parallel=2, ctx_per_slot=256)],
+        state_dir=state_dir,
+        engine_binary=engine_binary,
+    )
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    with trio.fail_after(150):
+        async with running(cfg) as (_host, client):
+            for body in (chat, {**chat, "stream": True}, {**chat, "prompt_cache_key": "p"}):
+                resp = await client.post("/v1/chat/completions", json=body)
+                assert resp.status_code == 200, resp.text
+            page = await client.get("/")
+            assert b'<script id="initial-state" type="application/json">' in page.content
+            status = (await client.get("/api/status")).json()
+            activity = (await client.get("/api/activity")).json()
+            out = await trio.to_thread.run_sync(
+                _first_paint_and_after, str(client.base_url), browser_paths, tmp_path
+            )
+
+    dom = out["dom"]
+    card = re.search(r'<section class="card" data-model="tiny">(.*?)</section>', dom, re.S)
+    assert card is not None, dom[:3000]
+    assert 'class="state state-ready">ready<' in card.group(1)
+    assert '<span id="conn" class="live">live</span>' in dom
+    assert "Loading the models" not in dom and "connecting" not in dom
+    assert dom.count("<tr") >= 1 + 3  # the header and the three requests
+    readings = (status.get("gpu") or {}).get("readings") or []
+    if not readings:  # a CPU-only machine
+        assert ">No GPU: serving on the CPU</div>" in dom
+        assert out["gpu"] == "No GPU: serving on the CPU" and "NVML" not in out["page_text"]
+    assert out["loaded_cards"] == 1
+    assert "tiny" in out["card"] and "ready" in out["card"]
+    # a TTFT cell for every request the host reports a first-token time for (the streamed
+    # one today; every one once the API reports it for non-streamed requests too)
+    reported = [r for r in activity["requests"] if isinstance(r.get("ttft_ms"), int | float)]
+    assert reported and sum(c != "\u2013" for c in out["ttft_cells"]) == len(reported)
+    assert re.fullmatch(r"\d+ ms over the last \d+ requests?|[\d.]+ s over.*", out["ttft_now"])
+    assert "confirmed" in out["page_text"] and "a miss" in out["page_text"]  # the legend
+    for name in ("first-paint", "after-5s"):
+        shot = tmp_path / f"{name}.png"
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+    keep = os.environ.get("GEZEL_DASHBOARD_SHOTS")
+    if keep:
+        await trio.to_thread.run_sync(_keep_shots, tmp_path, Path(keep))
+
+
+def _keep_shots(shots: Path, keep: Path) -> None:
+    keep.mkdir(parents=True, exist_ok=True)
+    shutil.copy(shots / "first-paint.png", keep / "dashboard-first-paint.png")
+    shutil.copy(shots / "after-5s.png", keep / "dashboard-5s.png")

@@ -225,6 +225,11 @@ class Engine:
         self._start_requested = trio.Event()
         self._stop_requested = trio.Event()
         self._stopping_on_purpose = False
+        self._stop_reason = "stopped"
+        """Why the host ends the process it is stopping (logged when it has exited)."""
+        self.closing_reason: str | None = None
+        """Why the ``open_engine`` block is being left, for the log (the host sets it when
+        it removes the model); None: the host is shutting down."""
         self._wake_monitor = trio.Event()
         self._holding: AsyncValue[bool] = AsyncValue(False)
         """True from the reservation's entry until it has exited."""
@@ -379,6 +384,17 @@ class Engine:
         self.failure = failure
         self.state.value = state
 
+    def _event(self, level: int, event: str, message: str, **fields: object) -> None:
+        """One lifecycle line in the host's log (``event``: a stable name for machines;
+        the engine's own output stays in its log ring)."""
+        _log.log(
+            level,
+            "engine %s %s",
+            self.key,
+            message,
+            extra={"fields": {"event": event, "model": self.model_id, **fields}},
+        )
+
     async def _backoff(self) -> None:
         # The first failure restarts at once; repeated ones wait 1 s, 2 s, 4 s ... up to the cap.
         if self.crash_streak <= 1 or self.last_crash_at is None:
@@ -390,6 +406,7 @@ class Engine:
             EngineState.STARTING,
             f"restart backoff {delay:.1f}s after {self.crash_streak} failure(s)",
         )
+        self._event(logging.INFO, "engine_backoff", f"restarts in {delay:.1f}s", delay_s=delay)
         with trio.move_on_at(self.last_crash_at + delay):
             await self._stop_requested.wait()
 
@@ -402,6 +419,7 @@ class Engine:
         self.last_crash = reason
         self.last_crash_at = now
         self._set(EngineState.FAILED, reason)
+        self._event(logging.WARNING, "engine_failed", f"failed: {reason}", reason=reason)
 
     async def _run_managed(self, attempt: _Attempt) -> None:
         assert self._argv_builder is not None
@@ -433,6 +451,9 @@ class Engine:
             argv, parallel = self._argv_builder(port)
         except GezelError as exc:
             self._set(EngineState.FAILED, exc.message)
+            self._event(
+                logging.WARNING, "engine_failed", f"failed: {exc.message}", reason=exc.message
+            )
             attempt.finish(exc)
             return
         self.argv = tuple(argv)
@@ -450,6 +471,14 @@ class Engine:
             return
         self.starts += 1
         self.pid = proc.pid
+        self._event(
+            logging.INFO,
+            "engine_starting",
+            f"starting (pid {proc.pid}, port {port})",
+            pid=proc.pid,
+            port=port,
+            argv=list(argv),
+        )
         if self._pid_file is not None:
             write_pidfile(self._pid_file, proc.pid)
         self.port = port
@@ -460,6 +489,7 @@ class Engine:
         self.base_url = None
         self._process_url = f"http://127.0.0.1:{port}"
         self._stopping_on_purpose = False
+        self._stop_reason = "stopped"
         exited = trio.Event()
         log_done = trio.Event()
         try:
@@ -474,11 +504,13 @@ class Engine:
                 except EngineFailed as exc:
                     self._record_failure(exc.message)
                     attempt.finish(exc)
+                    self._stop_reason = "killed: its start failed"
                     await self._terminate(proc, exited, graceful=False)
                     nursery.cancel_scope.cancel()
                     return
                 if self._stop_requested.is_set():
                     self._stopping_on_purpose = True
+                    self._stop_reason = "stopped: asked to stop while it started"
                     self._set(EngineState.STOPPING)
                     await self._terminate(proc, exited, graceful=True)
                     self._set(EngineState.STOPPED)
@@ -492,12 +524,22 @@ class Engine:
                 self._last_used = self.ready_at
                 self.log.append(f"[gezel] ready in {self.last_ready_seconds:.3f}s")
                 self._set(EngineState.READY)
+                self._event(
+                    logging.INFO,
+                    "engine_ready",
+                    f"ready in {self.last_ready_seconds:.2f}s (pid {proc.pid}, port {port}, "
+                    f"{parallel} slot{'s' if parallel != 1 else ''})",
+                    pid=proc.pid,
+                    port=port,
+                    load_s=round(self.last_ready_seconds, 3),
+                )
                 attempt.finish()
                 await self._monitor(proc, exited)
                 nursery.cancel_scope.cancel()
         finally:
             if proc.returncode is None and self.state.value is EngineState.READY:
                 # The host is shutting down (cancelled): a planned stop like any other.
+                self._stop_reason = f"stopped: {self.closing_reason or 'the host is shutting down'}"
                 with trio.move_on_after(self.timing.park_grace + 1, shield=True):
                     self._set(EngineState.STOPPING)
                     await self._run_before_stop(exited)
@@ -520,7 +562,7 @@ class Engine:
             remove_pidfile(self._pid_file)
         self.log.append(f"[gezel] process {proc.pid} exited with code {code}")
         if self._stopping_on_purpose:
-            return
+            return  # _terminate logs it (this task may be cancelled by now)
         if self.state.value is EngineState.READY:
             self._record_failure(
                 f"engine process exited unexpectedly (code {_describe_code(code)})"
@@ -596,11 +638,13 @@ class Engine:
             if exited.is_set():
                 return  # _watch_exit recorded the crash
             if self._stop_requested.is_set():
+                self._stop_reason = "stopped on request (unload, eviction, reload or release)"
                 await self._stop_gracefully(proc, exited)
                 return
             ttl = self.timing.idle_ttl
             if ttl > 0 and self._busy == 0 and trio.current_time() - self._last_used >= ttl:
                 self.log.append(f"[gezel] idle for {ttl:g}s: releasing")
+                self._stop_reason = f"stopped: idle for {ttl:g}s (idle_ttl)"
                 await self._stop_gracefully(proc, exited)
                 return
             now = trio.current_time()
@@ -620,6 +664,7 @@ class Engine:
                     reason = f"engine stopped answering /health ({failures} checks failed): killed"
                     self.log.append(f"[gezel] {reason}")
                     self._stopping_on_purpose = True
+                    self._stop_reason = reason
                     self._record_failure(reason)
                     await self._terminate(proc, exited, graceful=False)
                     return
@@ -655,9 +700,11 @@ class Engine:
         self.last_before_stop_seconds = trio.current_time() - t0
 
     async def _terminate(self, proc: ProcessHandle, exited: trio.Event, *, graceful: bool) -> None:
-        """SIGTERM, SIGKILL after the grace (at once when not graceful); wait for the exit."""
+        """SIGTERM, SIGKILL after the grace (at once when not graceful); wait for the exit,
+        and log it with its reason. Cancellation abandons the wait (callers shield it)."""
         self._stopping_on_purpose = True
         if proc.returncode is None:
+            t0 = trio.current_time()
             with contextlib.suppress(OSError):
                 if graceful:
                     proc.send_signal(signal.SIGTERM)
@@ -672,6 +719,16 @@ class Engine:
                 with contextlib.suppress(OSError):
                     proc.kill()
                 await proc.wait()
+            code = proc.returncode
+            self._event(
+                logging.INFO,
+                "engine_exited",
+                f"exited (pid {proc.pid}, code {_describe_code(code)}, after "
+                f"{trio.current_time() - t0:.2f}s): {self._stop_reason}",
+                pid=proc.pid,
+                code=code,
+                reason=self._stop_reason,
+            )
         if not exited.is_set() and proc.returncode is None:
             with trio.move_on_after(1):
                 await exited.wait()
@@ -696,6 +753,7 @@ class Engine:
         self.generation += 1
         self.ready_at = trio.current_time()
         self._set(EngineState.READY)
+        self._event(logging.INFO, "engine_ready", f"ready (external, at {self.base_url})")
         attempt.finish()
         failures = 0
         while True:

@@ -201,6 +201,7 @@ async def retire_model(host: Host, model_id: str) -> None:
     await runtime.engine.wait_idle()  # every admitted job holds the engine until it ends
     if not runtime.config.external:
         host.arbiter.unregister_evictor(runtime.config.gpu_class, owner_id=model_id)
+    runtime.engine.closing_reason = "its model was removed"
     runtime.retired.set()
     log.info("model %s removed: its engine stops", model_id)
 
@@ -276,7 +277,19 @@ async def reload(host: Host) -> dict[str, Any]:
     plan = await apply_models(host, wanted)
     host.config.models = new.models
     host.config.engine.models_dir = new.engine.models_dir
-    log.info("config reloaded from %s: %s", source, plan.as_dict())
+    what = plan.as_dict()
+    summary = (
+        "; ".join(f"{k} {', '.join(v)}" for k, v in what.items() if v and k != "unchanged")
+        or "no model changed"
+    )
+    if restart:
+        summary += f"; changes to [{'], ['.join(restart)}] need a restart"
+    log.info(
+        "reload applied from %s: %s",
+        source,
+        summary,
+        extra={"fields": {"event": "reload_applied", **what, "restart_needed": restart}},
+    )
     return {**plan.as_dict(), "restart_needed": restart}
 
 
@@ -293,6 +306,19 @@ async def serve_models_dir(
         wanted = await trio.to_thread.run_sync(wanted_models, host.config)
         plan = plan_reload({mid: rt.config for mid, rt in host.models.items()}, wanted)
         if plan.added or plan.removed:
+            for model in plan.added:
+                log.info(
+                    "models_dir: %s added (%s)",
+                    model.id,
+                    model.path,
+                    extra={"fields": {"event": "model_added", "model": model.id}},
+                )
+            for model_id in plan.removed:
+                log.info(
+                    "models_dir: %s removed (its file is gone)",
+                    model_id,
+                    extra={"fields": {"event": "model_removed", "model": model_id}},
+                )
             # only what the folder changed: a changed [[models]] entry waits for a reload
             keep = {m.id: m for m in wanted}
             for model in plan.changed:
