@@ -114,6 +114,23 @@ BENCHES = (
         ),
     ),
     Bench(
+        "hostile_connections",
+        _module("hostile_connections"),
+        _module("hostile_connections", "--quick"),
+    ),
+    Bench("ollama_api", _module("ollama_api"), _module("ollama_api", "--quick")),
+    Bench("dialects", _module("dialects"), _module("dialects", "--quick")),
+    Bench(
+        "profile_1token",
+        _module("profile_1token"),
+        _module("profile_1token", "--seconds", "3", "--format", "raw"),
+    ),
+    Bench(
+        "cache_reuse_keyless",
+        _module("cache_reuse", "--keyless"),
+        _module("cache_reuse", "--turns", "3", "--keyless"),
+    ),
+    Bench(
         "rpc_overhead",
         _module("rpc_overhead"),
         _module("rpc_overhead", "--size", "tiny", "--runs", "2", "--n-predict", "16"),

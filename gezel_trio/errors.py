@@ -64,6 +64,7 @@ class SessionNotFound(GezelError):
 
     status = 404
     code = "session_not_found"
+    type = "invalid_request_error"
 
 
 class SessionBusy(GezelError):
@@ -71,6 +72,7 @@ class SessionBusy(GezelError):
 
     status = 409
     code = "session_busy"
+    type = "invalid_request_error"
 
 
 class QueueFull(GezelError):

@@ -44,6 +44,10 @@ from gezel_trio.bench.targets import (
     router_argv,
 )
 from gezel_trio.bench.traces import Session, Trace, Turn, load_trace, save_trace
+from gezel_trio.engine.demo_model import FIM_TOKEN_IDS
+
+DEMO_VOCAB = max(FIM_TOKEN_IDS.values()) + 1
+"""The demo model's vocabulary: its FIM tokens come last."""
 
 # --------------------------------------------------------------------- a fake engine
 
@@ -798,7 +802,7 @@ async def test_smoke_replay_against_a_real_llama_server(tmp_path: Path, tiny_mod
     for api, result in zip(("llama", "openai"), results, strict=True):
         m = _check_invariants(trace, result, None, api)
         assert isinstance(m["cross_session_reuse"], int) and m["cross_session_reuse"] >= 0
-        assert result.config["vocab_hi"] == 676  # n_vocab of the demo model, probed
+        assert result.config["vocab_hi"] == DEMO_VOCAB  # n_vocab of the demo model, probed
         assert result.model_info["n_ctx"] == 512
         assert m["cache_unreported"] == 0
     # /completion streams the output ids: the self-reuse bound is exact there
@@ -837,7 +841,7 @@ async def test_smoke_replay_through_gezel(
             result = await run_replay(trace, config, progress_stream=None)
     m = _check_invariants(trace, result, None, api)
     assert m["cross_session_reuse"] == 0
-    assert result.config["vocab_hi"] == 676  # n_vocab from the host's /v1/models
+    assert result.config["vocab_hi"] == DEMO_VOCAB  # n_vocab from the host's /v1/models
     assert m["cache_hit_ratio"] > 0  # sessions reuse their own prefixes through the host
 
 

@@ -249,9 +249,14 @@ async def test_sessions_api_lists_own_sessions_and_deletes_everywhere(
             # a caller cannot remove another's session, nor see whether it exists
             r = await client.delete(f"/api/sessions/{mine[0]['id']}", headers=b)
             assert r.status_code == 404
-            r = await client.delete(f"/api/sessions/{theirs[0]['id']}", headers=b)
+            # by the name its client sent: only the caller's own session of that name
+            r = await client.delete("/api/sessions/chat", headers=b)
             assert r.status_code == 200, r.text
-            assert r.json()["slots_erased"] == 1
+            assert r.json()["id"] == theirs[0]["id"] and r.json()["slots_erased"] == 1
+            assert (await client.get("/api/sessions", headers=a)).json()["sessions"] == mine
+            r = await client.delete("/api/sessions/no-such-chat", headers=b)
+            assert r.status_code == 404
+            assert r.json()["error"]["type"] == "invalid_request_error"
             table = host.scheduler.policy.table("tiny")  # type: ignore[union-attr]
             assert table.slots[0].content is Content.CLEAN
             assert await turn([*REF, *MORE], b) == 0  # its KV is gone everywhere

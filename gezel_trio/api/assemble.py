@@ -15,9 +15,11 @@ Plain functions over decoded SSE events, no I/O. Three shapes:
   ``finish_reason`` wins; ``usage`` and ``timings`` come from the chunk that
   carries them (the request asks for ``include_usage``).
 - ``text``: ``/v1/completions`` chunks merge into one ``text_completion``.
-- ``native``: ``/completion`` events: the final event (``stop``) carries every
-  field of the whole answer but ``content`` (and ``tokens`` and
+- ``native``: ``/completion`` and ``/infill`` events: the final event (``stop``)
+  carries every field of the whole answer but ``content`` (and ``tokens`` and
   ``completion_probabilities``), which concatenate over the events.
+- ``responses``: ``/v1/responses`` events: the last, ``response.completed``,
+  carries the whole response (with the engine's ``timings`` beside it).
 """
 
 from __future__ import annotations
@@ -26,21 +28,9 @@ import json
 from collections.abc import Iterator
 from typing import Any, Literal
 
-__all__ = ["Shape", "SseDecoder", "StreamAssembler", "shape_of"]
+__all__ = ["Shape", "SseDecoder", "StreamAssembler"]
 
-Shape = Literal["chat", "text", "native"]
-
-_SHAPES: dict[str, Shape] = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "text",
-    "/completion": "native",
-}
-
-
-def shape_of(path: str) -> Shape:
-    """The shape of a completion path (``/v1/chat/completions``, ``/v1/completions``
-    or ``/completion``). Raises KeyError for any other path."""
-    return _SHAPES[path]
+Shape = Literal["chat", "text", "native", "responses"]
 
 
 class SseDecoder:
@@ -89,6 +79,11 @@ class StreamAssembler:
             return
         if self.shape == "native":
             self._feed_native(event)
+        elif self.shape == "responses":
+            if event.get("type") == "response.completed" and isinstance(
+                event.get("response"), dict
+            ):
+                self._final = {**event["response"], **_timings_of(event)}
         else:
             self._feed_choices(event)
 
@@ -135,6 +130,10 @@ class StreamAssembler:
 
     def result(self) -> dict[str, Any]:
         """The assembled answer (what the engine answers a non-streaming request)."""
+        if self.shape == "responses":
+            if self._final is None:
+                return {"object": "response", "status": "incomplete", "output": []}
+            return self._final
         if self.shape == "native":
             native = dict(self._final or {})
             native["content"] = "".join(self._content)
@@ -178,6 +177,11 @@ class StreamAssembler:
         if "logprobs" in merged:
             out["logprobs"] = merged["logprobs"]
         return out
+
+
+def _timings_of(event: dict[str, Any]) -> dict[str, Any]:
+    timings = event.get("timings")
+    return {"timings": timings} if isinstance(timings, dict) else {}
 
 
 def _merge_delta(merged: dict[str, Any], delta: object) -> None:

@@ -1,4 +1,8 @@
-"""The error contract, in one place: project errors -> HTTP status and OpenAI's error shape.
+"""The error contract, in one place: project errors -> HTTP status, in the shape of the
+dialect the client speaks (:func:`dialect_of` its path): OpenAI's
+``{"error": {"message", "type", "param", "code"}}``, Anthropic's
+``{"type": "error", "error": {"type", "message"}}`` under ``/v1/messages``, and
+Ollama's ``{"error": "..."}`` on its routes.
 
 | Case                    | Status                                 |
 |-------------------------|----------------------------------------|
@@ -18,13 +22,45 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Literal
 
-from quart import Response
+from quart import Response, has_request_context, request
 
 from ..errors import FieldError, GezelError, QueueFull
+from .anthropic_translate import error_body as anthropic_error_body
 
 log = logging.getLogger("gezel_trio.api")
+
+Dialect = Literal["openai", "anthropic", "ollama"]
+
+ANTHROPIC_PREFIX = "/v1/messages"
+OLLAMA_PATHS = frozenset(
+    {
+        "/api/version",
+        "/api/tags",
+        "/api/ps",
+        "/api/show",
+        "/api/chat",
+        "/api/generate",
+        "/api/embed",
+        "/api/embeddings",
+        "/api/pull",
+        "/api/push",
+        "/api/create",
+        "/api/copy",
+        "/api/delete",
+    }
+)
+"""Ollama's API: under ``/api/`` like the admin routes, but model routes open to every key."""
+
+
+def dialect_of(path: str) -> Dialect:
+    """Which API a path belongs to, and so the shape of its errors."""
+    if path.startswith(ANTHROPIC_PREFIX):
+        return "anthropic"
+    if path in OLLAMA_PATHS:
+        return "ollama"
+    return "openai"
 
 
 def error_body(
@@ -53,9 +89,18 @@ def error_response(
     param: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> Response:
-    if type_ is None:
-        type_ = "invalid_request_error" if status < 500 else "server_error"
-    return json_response(error_body(message, type_=type_, code=code, param=param), status, headers)
+    """An error answer in the shape of the request's dialect (OpenAI's outside a request)."""
+    dialect = dialect_of(request.path) if has_request_context() else "openai"
+    payload: dict[str, Any]
+    if dialect == "anthropic":
+        payload = anthropic_error_body(status, message)
+    elif dialect == "ollama":
+        payload = {"error": message}
+    else:
+        if type_ is None:
+            type_ = "invalid_request_error" if status < 500 else "server_error"
+        payload = error_body(message, type_=type_, code=code, param=param)
+    return json_response(payload, status, headers)
 
 
 def response_for(exc: GezelError) -> Response:

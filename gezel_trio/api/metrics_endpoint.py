@@ -1,10 +1,10 @@
 """``GET /metrics`` and the per-request instrumentation that feeds it.
 
-Every request to a model endpoint (the ``openai`` and ``native``
-blueprints) is recorded once, when its answer ends: model, HTTP status,
+Every request to a model endpoint (the blueprints of each dialect) is
+recorded once, when its answer ends: model, HTTP status,
 duration, time to first byte for streams, and the token counts the engine
 reported (``usage``, else ``timings``). Routes name the model with
-:func:`note_model`; a request whose model never resolved (404, 400 before
+:func:`resolve_model`; a request whose model never resolved (404, 400 before
 routing) is recorded under the model label ``(unresolved)``, so a client
 cannot grow the label set with made-up names.
 
@@ -27,7 +27,7 @@ from quart.wrappers.response import IterableBody
 from quart_trio import QuartTrio
 
 from ..errors import GezelError
-from ..host import Host
+from ..host import Host, ModelRuntime
 from ..host.activity import Activity, RequestEvent
 from ..host.metrics import CONTENT_TYPE, Metrics
 
@@ -36,7 +36,7 @@ request_log = logging.getLogger("gezel_trio.requests")
 log = logging.getLogger("gezel_trio.api.metrics")
 
 UNRESOLVED = "(unresolved)"
-INSTRUMENTED_BLUEPRINTS = frozenset({"openai", "native"})
+INSTRUMENTED_BLUEPRINTS = frozenset({"openai", "native", "responses", "anthropic", "ollama"})
 _TAIL_BYTES = 32 * 1024
 _MAX_PARSE_BYTES = 4 * 1024 * 1024
 
@@ -52,32 +52,46 @@ async def metrics() -> Response:
     return Response(metrics_of_app().render(), status=200, content_type=CONTENT_TYPE)
 
 
-def note_model(host: Host, model: object) -> None:
-    """Label this request's metrics with the model ``model`` resolves to (quietly)."""
+def resolve_model(host: Host, model: object, *, session: str | None = None) -> ModelRuntime:
+    """The runtime a request's ``model`` names, resolved once (see
+    :meth:`Host.resolve_model`), and this request's metrics labelled with it: a
+    replicated model's own id, never a member's; ``(unresolved)`` when it raises."""
     try:
-        g.gezel_model = host.label_of(model)
+        runtime = host.resolve_model(model, session=session)
     except GezelError:
         g.gezel_model = UNRESOLVED
+        raise
+    g.gezel_model = runtime.config.replica_of or runtime.id
+    return runtime
 
 
 def token_counts(obj: Any) -> tuple[int | None, int | None, int | None]:
     """(prompt, cached, completion) tokens from one engine answer or SSE event.
 
     Reads OpenAI ``usage`` (``prompt_tokens``,
-    ``prompt_tokens_details.cached_tokens``, ``completion_tokens``), then
+    ``prompt_tokens_details.cached_tokens``, ``completion_tokens``, or the Responses
+    API's ``input_tokens``, ``input_tokens_details.cached_tokens``, ``output_tokens``,
+    also inside a ``response.completed`` event), then
     llama.cpp ``timings`` (``prompt_n`` + ``cache_n``, ``cache_n``,
     ``predicted_n``). Missing parts are None.
     """
     if not isinstance(obj, dict):
         return None, None, None
+    if isinstance(obj.get("response"), dict):  # a Responses stream's last event
+        obj = obj["response"]
     prompt = cached = completion = None
     timings = obj.get("timings") if isinstance(obj.get("timings"), dict) else {}
     assert isinstance(timings, dict)
     usage = obj.get("usage")
     if isinstance(usage, dict):
-        prompt = _int(usage.get("prompt_tokens"))
-        completion = _int(usage.get("completion_tokens"))
-        details = usage.get("prompt_tokens_details")
+        if "input_tokens" in usage:  # the Responses API's names
+            prompt = _int(usage.get("input_tokens"))
+            completion = _int(usage.get("output_tokens"))
+            details = usage.get("input_tokens_details")
+        else:
+            prompt = _int(usage.get("prompt_tokens"))
+            completion = _int(usage.get("completion_tokens"))
+            details = usage.get("prompt_tokens_details")
         if isinstance(details, dict):
             cached = _int(details.get("cached_tokens"))
     t_prompt, t_cache, t_pred = (
@@ -146,8 +160,10 @@ def install_metrics(app: QuartTrio, metrics: Metrics) -> None:
                 _observed_stream(metrics, body, model, status, t0, fields, _activity())
             )
             return resp
-        counts: tuple[int | None, int | None, int | None] = (None, None, None)
-        if status == 200 and (resp.content_length or 0) <= _MAX_PARSE_BYTES:
+        counts: tuple[int | None, int | None, int | None] = g.get(
+            "gezel_counts", (None, None, None)
+        )
+        if counts[0] is None and status == 200 and (resp.content_length or 0) <= _MAX_PARSE_BYTES:
             ctype = resp.content_type or ""
             if "json" in ctype:
                 try:
@@ -155,9 +171,13 @@ def install_metrics(app: QuartTrio, metrics: Metrics) -> None:
                 except ValueError:
                     pass
         duration = time.perf_counter() - t0
-        metrics.request_done(model, status, duration, None, *counts)
+        # a non-streamed completion is streamed from the engine: the relay noted when
+        # its first event came
+        first: float | None = g.get("gezel_first_event_at")
+        ttft = None if first is None else first - t0
+        metrics.request_done(model, status, duration, ttft, *counts)
         fields = {"path": request.path, **g.get("gezel_log", {})}
-        log_request(model, status, duration, None, counts, fields, _activity())
+        log_request(model, status, duration, ttft, counts, fields, _activity())
         _verify_restore(fields, status, counts)
         return resp
 
@@ -193,7 +213,10 @@ async def _observed_stream(
     finally:
         ttft = None if first is None else first - t0
         duration = time.perf_counter() - t0
-        counts = _tail_counts(b"".join(recent)[-_TAIL_BYTES:])
+        read = fields.get("counts")
+        counts = read() if callable(read) else None
+        if counts is None:
+            counts = _tail_counts(b"".join(recent)[-_TAIL_BYTES:])
         metrics.request_done(model, status, duration, ttft, *counts)
         log_request(model, status, duration, ttft, counts, fields, activity)
         _verify_restore(fields, status, counts)
@@ -252,7 +275,7 @@ def log_request(
                 "prompt_tokens": prompt,
                 "cached_tokens": cached,
                 "completion_tokens": completion,
-                "path": request.path if _in_request() else None,
+                "path": fields.get("path") or (request.path if _in_request() else None),
             }
         },
     )

@@ -1,4 +1,5 @@
-"""llama.cpp-native passthrough: /completion, /tokenize, /detokenize, /props, /slots.
+"""llama.cpp's own routes: /completion (and /completions), /infill, rerank, /tokenize,
+/detokenize, /apply-template, the input-token counts, /props, /slots.
 
 Choose the model with a ``model`` field (the body for POST, the query string
 for GET), or with a path prefix: ``/upstream/{model}/completion`` and so on.
@@ -18,8 +19,9 @@ Bodies and answers pass through untouched, with two exceptions:
   text, sampling params, stop words, grammars or logit bias: one client must
   not read another's conversation or settings.
 
-``/completion`` is scheduled like every completion (it waits its turn and
-takes a slot). The other four do not occupy a slot: they are forwarded at
+``/completion`` and ``/infill`` are scheduled like every completion (they wait
+their turn and take a slot); rerank holds every slot of its engine, as
+embeddings do. The others do not occupy a slot: they are forwarded at
 once to a ready engine; when the engine is not running they go through the
 scheduler, which makes it resident first.
 """
@@ -33,10 +35,11 @@ from quart import Blueprint, Response, current_app, request
 
 from ..engine.client import UpstreamResult
 from ..errors import EngineCrashed, FieldError
-from ..host import Host, ModelRuntime
-from .metrics_endpoint import note_model
-from .relay import proxy_completion
-from .validation import read_json_object
+from ..host import Host
+from .auth import request_owner
+from .metrics_endpoint import resolve_model
+from .relay import PassThrough, Upstream, proxy_completion, rename_for, slot_free_call
+from .validation import check_completion_body, check_infill_body, read_json_object
 
 bp = Blueprint("native", __name__)
 
@@ -68,32 +71,6 @@ def _query_model(model: str | None) -> str | None:
     return request.args.get("model") or None
 
 
-async def _engine_call(
-    host: Host,
-    runtime: ModelRuntime,
-    method: str,
-    path: str,
-    *,
-    body: dict[str, Any] | None = None,
-) -> UpstreamResult:
-    """Forward one slot-free call to the model's engine.
-
-    A ready engine gets it at once (held in use, so it is not released
-    meanwhile). An engine that is not running, or that went away between the
-    check and the call, is made resident through the scheduler first.
-    Cancellation closes the upstream connection.
-    """
-    if runtime.ready:
-        try:
-            with runtime.hold():
-                return await runtime.client.forward(method, path, body=body)
-        except EngineCrashed:
-            pass  # evicted or restarted meanwhile: go the long way once
-    async with host.slot(runtime, needs_slot=False):
-        result = await runtime.client.forward(method, path, body=body)
-    return result
-
-
 def _answer(result: UpstreamResult) -> Response:
     return Response(
         result.content, status=result.head.status, content_type=result.head.content_type
@@ -103,14 +80,28 @@ def _answer(result: UpstreamResult) -> Response:
 # ------------------------------------------------------------------ /completion
 
 
-async def _completion(model: str | None) -> Response:
+async def _completion(model: str | None, path: str = "/completion") -> Response:
     host = _host()
     body = _with_prefix_model(await read_json_object(), model)
-    note_model(host, body.get("model"))
-    return await proxy_completion(host, body, "/completion", kind="native")
+    if path == "/infill":
+        check_infill_body(body)
+    else:
+        check_completion_body(body, kind="native")
+    owner = request_owner(host, body)
+    runtime = resolve_model(host, body.get("model"), session=owner.route_session)
+    upstream = Upstream(
+        path,
+        body,
+        "native",
+        stream=body.get("stream") is True,
+        keep_tokens=body.get("return_tokens") is True,
+    )
+    shaper = PassThrough(rename_for(body, runtime))
+    return await proxy_completion(host, runtime, upstream, owner=owner, shaper=shaper)
 
 
 @bp.post("/completion")
+@bp.post("/completions")
 async def completion() -> Response:
     return await _completion(None)
 
@@ -118,6 +109,20 @@ async def completion() -> Response:
 @bp.post("/upstream/<model>/completion")
 async def upstream_completion(model: str) -> Response:
     return await _completion(model)
+
+
+@bp.post("/infill")
+async def infill() -> Response:
+    """Fill-in-the-middle in llama.vscode's shape (``input_prefix``, ``input_suffix``,
+    ``input_extra``, ``prompt``), pinned like every completion: the client's
+    ``id_slot`` (llama.vscode hard-codes 0) is replaced by the granted slot. Its
+    ``n_predict: 0`` warm-ups fill the slot's cache and generate nothing."""
+    return await _completion(None, "/infill")
+
+
+@bp.post("/upstream/<model>/infill")
+async def upstream_infill(model: str) -> Response:
+    return await _completion(model, "/infill")
 
 
 # ------------------------------------------------------------------ /tokenize, /detokenize
@@ -139,11 +144,10 @@ async def _tokenize(model: str | None, path: str) -> Response:
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
         ):
             raise FieldError("tokens", "required: an array of non-negative token ids")
-    note_model(host, body.get("model"))
-    runtime = host.resolve_model(body.get("model"))
+    runtime = resolve_model(host, body.get("model"))
     if path == "/detokenize":
         runtime.check_token_ids(body.get("tokens"), "tokens")
-    return _answer(await _engine_call(host, runtime, "POST", path, body=body))
+    return _answer(await slot_free_call(host, runtime, "POST", path, body=body))
 
 
 @bp.post("/tokenize")
@@ -171,10 +175,8 @@ async def upstream_detokenize(model: str) -> Response:
 
 async def _read_only(model: str | None, path: str) -> Response:
     host = _host()
-    name = _query_model(model)
-    note_model(host, name)
-    runtime = host.resolve_model(name)
-    result = await _engine_call(host, runtime, "GET", path)
+    runtime = resolve_model(host, _query_model(model))
+    result = await slot_free_call(host, runtime, "GET", path)
     if path == "/slots" and result.head.status == 200:
         return Response(_redact_slots(result.content), status=200, content_type="application/json")
     return _answer(result)
@@ -221,3 +223,88 @@ async def upstream_props(model: str) -> Response:
 @bp.get("/upstream/<model>/slots")
 async def upstream_slots(model: str) -> Response:
     return await _read_only(model, "/slots")
+
+
+# ------------------------------------------------------------------ no slot: templates, counts
+
+
+def _slot_free_body(body: dict[str, Any]) -> dict[str, Any]:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise FieldError("model", "expected a string naming a model")
+    return {k: v for k, v in body.items() if k != "id_slot"}
+
+
+async def _slot_free(path: str) -> Response:
+    """A call that needs the model's engine but none of its slots: the chat template
+    applied, or a request's input tokens counted."""
+    host = _host()
+    body = _slot_free_body(await read_json_object())
+    runtime = resolve_model(host, body.get("model"))
+    return _answer(await slot_free_call(host, runtime, "POST", path, body=body))
+
+
+@bp.post("/apply-template")
+async def apply_template() -> Response:
+    return await _slot_free("/apply-template")
+
+
+@bp.post("/v1/chat/completions/input_tokens")
+@bp.post("/chat/completions/input_tokens")
+async def chat_input_tokens() -> Response:
+    return await _slot_free("/v1/chat/completions/input_tokens")
+
+
+@bp.post("/v1/responses/input_tokens")
+@bp.post("/responses/input_tokens")
+async def responses_input_tokens() -> Response:
+    return await _slot_free("/v1/responses/input_tokens")
+
+
+# ------------------------------------------------------------------ rerank
+
+
+def check_rerank_body(body: dict[str, Any]) -> None:
+    """The fields of a rerank request; a failure is a 400 naming the field."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise FieldError("model", "expected a string naming a model")
+    if not isinstance(body.get("query"), str):
+        raise FieldError("query", "required: the text to rank the documents against")
+    documents = body.get("documents", body.get("texts"))
+    if not isinstance(documents, list) or not documents:
+        raise FieldError("documents", "required: a non-empty array of documents")
+    top_n = body.get("top_n")
+    if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 1):
+        raise FieldError("top_n", "expected a positive integer")
+
+
+@bp.post("/v1/rerank")
+@bp.post("/rerank")
+@bp.post("/v1/reranking")
+@bp.post("/reranking")
+async def rerank() -> Response:
+    """Documents ranked against a query by a model whose engine runs with
+    ``--reranking`` (``reranking = true``); any other model answers 400.
+
+    Like embeddings, the engine places each document on a slot of its own
+    choosing, so the request holds every slot of the engine and leaves them
+    unknown (erased before a chat uses one)."""
+    host = _host()
+    body = await read_json_object()
+    check_rerank_body(body)
+    runtime = resolve_model(host, body.get("model"))
+    if not runtime.config.reranking:
+        raise FieldError(
+            "model",
+            f"the model {runtime.id!r} does not rerank "
+            "(set reranking = true in the [[models]] entry of a reranker)",
+        )
+    upstream = {k: v for k, v in body.items() if k != "id_slot"}
+    async with host.slot(runtime, any_slot=True):
+        result = await runtime.client.forward("POST", request.path, body=upstream)
+    return Response(
+        rename_for(body, runtime).body(result.content),
+        status=result.head.status,
+        content_type=result.head.content_type,
+    )

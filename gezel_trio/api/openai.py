@@ -14,14 +14,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from quart import Blueprint, Response, current_app
+from quart import Blueprint, Response, current_app, request
 
 from ..errors import FieldError
 from ..host import Host
+from .assemble import Shape
+from .auth import request_owner
 from .errors import json_response
-from .metrics_endpoint import note_model
-from .relay import ModelRename, proxy_completion, requested_model
-from .validation import read_json_object
+from .metrics_endpoint import resolve_model
+from .relay import PassThrough, Upstream, proxy_completion, rename_for
+from .validation import check_completion_body, read_json_object
 
 bp = Blueprint("openai", __name__)
 
@@ -31,18 +33,35 @@ def _host() -> Host:
     return host
 
 
-@bp.post("/v1/chat/completions")
-async def chat_completions() -> Response:
+async def passthrough_completion(path: str, *, kind: str, shape: Shape) -> Response:
+    """A completion in the engine's own shape, on the engine route ``path``: checked,
+    its model resolved once, pinned, and answered as the engine answers (``model``
+    renamed to what the client sent)."""
+    host = _host()
     body = await read_json_object()
-    note_model(_host(), body.get("model"))
-    return await proxy_completion(_host(), body, "/v1/chat/completions", kind="chat")
+    check_completion_body(body, kind=kind)
+    owner = request_owner(host, body)
+    runtime = resolve_model(host, body.get("model"), session=owner.route_session)
+    upstream = Upstream(
+        path,
+        body,
+        shape,
+        stream=body.get("stream") is True,
+        keep_tokens=body.get("return_tokens") is True,
+    )
+    shaper = PassThrough(rename_for(body, runtime))
+    return await proxy_completion(host, runtime, upstream, owner=owner, shaper=shaper)
+
+
+@bp.post("/v1/chat/completions")
+@bp.post("/chat/completions")
+async def chat_completions() -> Response:
+    return await passthrough_completion("/v1/chat/completions", kind="chat", shape="chat")
 
 
 @bp.post("/v1/completions")
 async def completions() -> Response:
-    body = await read_json_object()
-    note_model(_host(), body.get("model"))
-    return await proxy_completion(_host(), body, "/v1/completions", kind="text")
+    return await passthrough_completion("/v1/completions", kind="text", shape="text")
 
 
 def check_embeddings_body(body: dict[str, Any]) -> None:
@@ -79,8 +98,10 @@ def _valid_embedding_input(inp: object) -> bool:
 
 
 @bp.post("/v1/embeddings")
+@bp.post("/embeddings")
 async def embeddings() -> Response:
-    """Embeddings from a model whose engine serves them.
+    """Embeddings from a model whose engine serves them (``/embeddings`` in
+    llama-server's own shape, as the engine answers it).
 
     The engine places each input on a slot of its own choosing (llama-server
     ignores ``id_slot`` for embeddings), so the request waits until it can hold
@@ -92,8 +113,7 @@ async def embeddings() -> Response:
     host = _host()
     body = await read_json_object()
     check_embeddings_body(body)
-    note_model(host, body.get("model"))
-    runtime = host.resolve_model(body.get("model"))
+    runtime = resolve_model(host, body.get("model"))
     if not runtime.config.embeddings:
         raise FieldError(
             "model",
@@ -101,17 +121,17 @@ async def embeddings() -> Response:
             "(set embeddings = true in its [[models]] entry)",
         )
     upstream = {k: v for k, v in body.items() if k != "id_slot"}
-    rename = ModelRename(requested_model(body, runtime), None)
     async with host.slot(runtime, any_slot=True):
-        result = await runtime.client.forward("POST", "/v1/embeddings", body=upstream)
+        result = await runtime.client.forward("POST", request.path, body=upstream)
     return Response(
-        rename.body(result.content),
+        rename_for(body, runtime).body(result.content),
         status=result.head.status,
         content_type=result.head.content_type,
     )
 
 
 @bp.get("/v1/models")
+@bp.get("/models")
 async def list_models() -> Response:
     host = _host()
     data: list[dict[str, Any]] = []

@@ -186,6 +186,242 @@ def _native(op: str, *, prefixed: bool) -> dict[str, Any]:
     }
 
 
+ALIASES = {
+    "/chat/completions": "/v1/chat/completions",
+    "/completions": "/completion",
+    "/embeddings": "/v1/embeddings",
+    "/models": "/v1/models",
+    "/responses": "/v1/responses",
+    "/chat/completions/input_tokens": "/v1/chat/completions/input_tokens",
+    "/responses/input_tokens": "/v1/responses/input_tokens",
+    "/rerank": "/v1/rerank",
+    "/reranking": "/v1/rerank",
+    "/v1/reranking": "/v1/rerank",
+}
+"""Routes served under a second path, as llama-server serves them (``/completions`` is
+its native completion, ``/embeddings`` its native embeddings)."""
+
+
+def _completion_op(tag: str, summary: str, schema: str, ok: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "tags": [tag],
+            "summary": summary,
+            "parameters": [SESSION_HEADER],
+            "requestBody": _json_body(schema),
+            "responses": _inference_responses(
+                _ok(ok, {"type": "object"}, stream=True), what="Bad request"
+            ),
+        }
+    }
+
+
+def _slot_free_op(tag: str, summary: str) -> dict[str, Any]:
+    return {
+        "post": {
+            "tags": [tag],
+            "summary": summary,
+            "requestBody": _json_body("LooseRequest"),
+            "responses": _inference_responses(
+                _ok("The engine's answer.", {"type": "object"}), what="Bad request"
+            ),
+        }
+    }
+
+
+def _dialect_paths() -> dict[str, Any]:
+    infill = _completion_op(
+        "llama.cpp native",
+        "Fill-in-the-middle (llama.vscode's shape), scheduled into a slot",
+        "InfillRequest",
+        "The engine's answer.",
+    )
+    return {
+        "/v1/responses": _completion_op(
+            "OpenAI",
+            "OpenAI Responses, streaming or not (stateless: no previous_response_id)",
+            "ResponsesRequest",
+            "A response, or its events.",
+        ),
+        "/v1/messages": _completion_op(
+            "Anthropic",
+            "Anthropic Messages, streaming or not (run on the engine's chat route, pinned)",
+            "MessagesRequest",
+            "A message, or its events. Errors in Anthropic's shape.",
+        ),
+        "/v1/messages/count_tokens": _slot_free_op(
+            "Anthropic", "Input tokens of a Messages request"
+        ),
+        "/infill": infill,
+        "/upstream/{model}/infill": {
+            "post": {
+                **infill["post"],
+                "parameters": [MODEL_PATH_PARAM, SESSION_HEADER],
+            }
+        },
+        "/apply-template": _slot_free_op("llama.cpp native", "The chat template applied"),
+        "/v1/chat/completions/input_tokens": _slot_free_op(
+            "OpenAI", "Input tokens of a chat request"
+        ),
+        "/v1/responses/input_tokens": _slot_free_op(
+            "OpenAI", "Input tokens of a Responses request"
+        ),
+        "/v1/rerank": {
+            "post": {
+                "tags": ["llama.cpp native"],
+                "summary": "Rerank documents, on a model configured with `reranking = true`",
+                "requestBody": _json_body("RerankRequest"),
+                "responses": _inference_responses(
+                    _ok("The documents' scores.", {"type": "object"}),
+                    what="Bad request, or the model does not rerank (`param: model`)",
+                ),
+            }
+        },
+    }
+
+
+NDJSON = "application/x-ndjson"
+
+
+def _ollama_err(description: str, *, headers: dict[str, Any] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "description": description,
+        "content": {JSON: {"schema": _ref("OllamaError")}},
+    }
+    if headers:
+        out["headers"] = headers
+    return out
+
+
+OLLAMA_401 = _ollama_err("No API key, or an unknown one (when `[server] api_keys` is set).")
+OLLAMA_404 = _ollama_err("Unknown model: `model 'x' not found` (`x:latest` names the model `x`).")
+
+
+def _ollama_ok(description: str, schema: str, *, stream: bool = False) -> dict[str, Any]:
+    content: dict[str, Any] = {JSON: {"schema": _ref(schema)}}
+    if stream:
+        content[NDJSON] = {
+            "schema": {"type": "string"},
+            "description": "Without `stream: false` (Ollama's default is to stream): one "
+            "JSON object per line, `done: false`, then a last line with `done: true`, "
+            '`done_reason` and the figures. A failure after the head is a last `{"error": ...}` '
+            "line.",
+        }
+    return {"description": description, "content": content}
+
+
+def _ollama_model_op(
+    summary: str, schema: str, ok: dict[str, Any], *, session: bool = False
+) -> dict[str, Any]:
+    return {
+        "post": {
+            "tags": ["Ollama"],
+            "summary": summary,
+            "parameters": [SESSION_HEADER] if session else [],
+            "requestBody": _json_body(schema),
+            "responses": {
+                "200": ok,
+                "400": _ollama_err(
+                    "Malformed JSON, a field of the wrong type (the message names it), "
+                    "`options.num_ctx` above the model's `ctx_per_slot`, `images` for a model "
+                    "without a projector, a model that does not serve this route, or the "
+                    "engine's own 400."
+                ),
+                "401": OLLAMA_401,
+                "404": OLLAMA_404,
+                "409": _ollama_err("`lock_model` is on and the request names another model."),
+                "413": _ollama_err("The request body is larger than `[server] max_body_bytes`."),
+                "500": _ollama_err(
+                    "The engine's answer cannot be put in Ollama's shape (tool call arguments "
+                    "that are not a JSON object)."
+                ),
+                "502": _ollama_err("The engine crashed or closed the connection mid-request."),
+                "503": _ollama_err(
+                    "The queue is full (with `Retry-After`), the engine failed to start, or "
+                    "the GPU has no room.",
+                    headers=RETRY_AFTER,
+                ),
+                "504": _ollama_err("The engine sent nothing for `[engine] request_timeout`."),
+                "default": _ollama_err("Any other status the engine answered with."),
+            },
+        }
+    }
+
+
+def _ollama_get(summary: str, schema: str) -> dict[str, Any]:
+    return {
+        "get": {
+            "tags": ["Ollama"],
+            "summary": summary,
+            "responses": {"200": _ollama_ok(summary, schema), "401": OLLAMA_401},
+        }
+    }
+
+
+def _ollama_not_implemented(method: str, route: str) -> dict[str, Any]:
+    return {
+        method: {
+            "tags": ["Ollama"],
+            "summary": f"Not supported: 501, saying what to do instead of /api/{route}",
+            "requestBody": _json_body("LooseRequest", required=False),
+            "responses": {
+                "200": {"description": "Never: the host serves the models its config names."},
+                "401": OLLAMA_401,
+                "413": _ollama_err("The request body is larger than `[server] max_body_bytes`."),
+                "501": _ollama_err(
+                    "Models come from the config and the models folder, not from a registry."
+                ),
+            },
+        }
+    }
+
+
+def _ollama_paths() -> dict[str, Any]:
+    """Ollama's API (``gezel_trio.api.ollama``): errors are ``{"error": "..."}``."""
+    paths: dict[str, Any] = {
+        "/api/chat": _ollama_model_op(
+            "Ollama chat, streamed (NDJSON) unless `stream: false`; pinned like every completion",
+            "OllamaChatRequest",
+            _ollama_ok("A chat answer, or its lines.", "OllamaAnswer", stream=True),
+            session=True,
+        ),
+        "/api/generate": _ollama_model_op(
+            "Ollama generate: the chat template applied; `raw` as is (`/completion`); "
+            "`suffix` fills in the middle (`/infill`)",
+            "OllamaGenerateRequest",
+            _ollama_ok("A generate answer, or its lines.", "OllamaAnswer", stream=True),
+            session=True,
+        ),
+        "/api/embed": _ollama_model_op(
+            "Ollama embeddings (L2-normalized), on a model with `embeddings = true`",
+            "OllamaEmbedRequest",
+            _ollama_ok("The embeddings.", "OllamaEmbedAnswer"),
+        ),
+        "/api/embeddings": _ollama_model_op(
+            "Ollama's legacy embedding route, on a model with `embeddings = true`",
+            "OllamaEmbeddingsRequest",
+            _ollama_ok("The embedding.", "OllamaEmbeddingsAnswer"),
+        ),
+        "/api/show": _ollama_model_op(
+            "A model's details, parameters, chat template, GGUF facts and capabilities",
+            "OllamaShowRequest",
+            _ollama_ok("The model.", "OllamaShow"),
+        ),
+        "/api/tags": _ollama_get("Every model clients can name, as `id:latest`", "OllamaModels"),
+        "/api/ps": _ollama_get(
+            "The models whose engines are loaded, and when their idle TTL ends", "OllamaModels"
+        ),
+        "/api/version": _ollama_get("The Ollama API version these routes follow", "OllamaVersion"),
+    }
+    show = paths["/api/show"]["post"]
+    for code in ("500", "502", "503", "504", "default"):
+        del show["responses"][code]  # /api/show reads the model file, never the engine
+    for route in ("pull", "push", "create", "copy"):
+        paths[f"/api/{route}"] = _ollama_not_implemented("post", route)
+    paths["/api/delete"] = _ollama_not_implemented("delete", "delete")
+    return paths
+
+
 def _build_spec() -> dict[str, Any]:
     paths: dict[str, Any] = {
         "/health": {
@@ -207,7 +443,13 @@ def _build_spec() -> dict[str, Any]:
                         "content": {"text/html": {"schema": {"type": "string"}}},
                     }
                 },
-            }
+            },
+            "head": {
+                "tags": ["host", "Ollama"],
+                "summary": "Is a server there? (Ollama's clients probe it): 200, no body",
+                "security": PUBLIC,
+                "responses": {"200": {"description": "The host is up."}},
+            },
         },
         "/openapi.json": {
             "get": {
@@ -490,6 +732,10 @@ def _build_spec() -> dict[str, Any]:
     for op in ("completion", "tokenize", "detokenize", "props", "slots"):
         paths[f"/{op}"] = _native(op, prefixed=False)
         paths[f"/upstream/{{model}}/{op}"] = _native(op, prefixed=True)
+    paths.update(_dialect_paths())
+    paths.update(_ollama_paths())
+    for alias, same in ALIASES.items():
+        paths[alias] = copy.deepcopy(paths[same])
 
     return {
         "openapi": "3.1.0",
@@ -521,6 +767,65 @@ def _build_spec() -> dict[str, Any]:
 _LOOSE = {"additionalProperties": True}
 
 SCHEMAS: dict[str, Any] = {
+    "LooseRequest": {"type": "object", **_LOOSE, "properties": {"model": {"type": "string"}}},
+    "MessagesRequest": {
+        "type": "object",
+        "required": ["model", "max_tokens", "messages"],
+        **_LOOSE,
+        "properties": {
+            "model": {"type": "string"},
+            "max_tokens": {"type": "integer", "minimum": 1},
+            "messages": {"type": "array", "minItems": 1, "items": {"type": "object"}},
+            "system": {"type": ["string", "array"]},
+            "stream": {"type": "boolean"},
+            "metadata": {"type": "object"},
+        },
+    },
+    "ResponsesRequest": {
+        "type": "object",
+        "required": ["input"],
+        **_LOOSE,
+        "properties": {
+            "model": {"type": "string"},
+            "input": {"type": ["string", "array"]},
+            "instructions": {"type": "string"},
+            "stream": {"type": "boolean"},
+            "max_output_tokens": {"type": "integer", "minimum": 1},
+            "prompt_cache_key": {"type": "string", "maxLength": 512},
+        },
+    },
+    "InfillRequest": {
+        "type": "object",
+        **_LOOSE,
+        "properties": {
+            "model": {"type": "string"},
+            "input_prefix": {"type": "string"},
+            "input_suffix": {"type": "string"},
+            "input_extra": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"filename": {"type": "string"}, "text": {"type": "string"}},
+                },
+            },
+            "prompt": {"type": "string"},
+            "n_predict": {"type": "integer", "minimum": -1},
+            "t_max_prompt_ms": {"type": "integer"},
+            "t_max_predict_ms": {"type": "integer"},
+            "stream": {"type": "boolean"},
+        },
+    },
+    "RerankRequest": {
+        "type": "object",
+        "required": ["query", "documents"],
+        **_LOOSE,
+        "properties": {
+            "model": {"type": "string"},
+            "query": {"type": "string"},
+            "documents": {"type": "array", "minItems": 1},
+            "top_n": {"type": "integer", "minimum": 1},
+        },
+    },
     "Error": {
         "type": "object",
         "required": ["error"],
@@ -650,6 +955,195 @@ SCHEMAS: dict[str, Any] = {
         },
     },
 }
+
+_OLLAMA_KEEP_ALIVE = {
+    "type": ["number", "string"],
+    "description": "Seconds, or a Go duration (`5m`, `1h30m`): 0 unloads the model after "
+    "this request, a duration is its idle TTL from then on, a negative value keeps it "
+    "loaded. Without it the model's configured `idle_ttl` applies.",
+}
+_OLLAMA_OPTIONS = {
+    "type": "object",
+    "description": "`num_predict`, `temperature`, `top_k`, `top_p`, `min_p`, `typical_p`, "
+    "`seed`, `stop`, `repeat_penalty`, `repeat_last_n`, `presence_penalty`, "
+    "`frequency_penalty`, `num_keep`, `mirostat*`; `num_ctx` at most the model's "
+    "`ctx_per_slot` (above it: 400). Other options are ignored, as Ollama ignores them.",
+}
+_OLLAMA_FORMAT = {
+    "description": '`"json"`, or a JSON schema the answer must match.',
+}
+_OLLAMA_THINK = {
+    "type": ["boolean", "string"],
+    "enum": [True, False, "low", "medium", "high", "max"],
+}
+_OLLAMA_MODEL = {"type": "string", "description": "A model id; `id:latest` names it too."}
+_OLLAMA_DURATIONS = {
+    "total_duration": {"type": "integer", "description": "Nanoseconds, the host's wall time."},
+    "load_duration": {
+        "type": "integer",
+        "description": "Nanoseconds spent waiting for the engine to start (absent: it was loaded).",
+    },
+    "prompt_eval_count": {"type": "integer"},
+    "prompt_eval_duration": {"type": "integer"},
+    "eval_count": {"type": "integer"},
+    "eval_duration": {"type": "integer"},
+}
+
+OLLAMA_SCHEMAS: dict[str, Any] = {
+    "OllamaError": {
+        "type": "object",
+        "required": ["error"],
+        "properties": {"error": {"type": "string"}},
+    },
+    "OllamaChatRequest": {
+        "type": "object",
+        "required": ["model"],
+        **_LOOSE,
+        "properties": {
+            "model": _OLLAMA_MODEL,
+            "messages": {
+                "type": "array",
+                "description": "Empty or absent: only load the model (or unload it with "
+                "`keep_alive` 0).",
+                "items": {"type": "object"},
+            },
+            "tools": {"type": "array", "items": {"type": "object"}},
+            "format": _OLLAMA_FORMAT,
+            "options": _OLLAMA_OPTIONS,
+            "stream": {"type": "boolean", "default": True},
+            "think": _OLLAMA_THINK,
+            "keep_alive": _OLLAMA_KEEP_ALIVE,
+        },
+    },
+    "OllamaGenerateRequest": {
+        "type": "object",
+        "required": ["model"],
+        **_LOOSE,
+        "properties": {
+            "model": _OLLAMA_MODEL,
+            "prompt": {"type": "string"},
+            "suffix": {"type": "string"},
+            "system": {"type": "string"},
+            "raw": {"type": "boolean"},
+            "images": {"type": "array", "items": {"type": "string", "contentEncoding": "base64"}},
+            "format": _OLLAMA_FORMAT,
+            "options": _OLLAMA_OPTIONS,
+            "stream": {"type": "boolean", "default": True},
+            "think": _OLLAMA_THINK,
+            "keep_alive": _OLLAMA_KEEP_ALIVE,
+        },
+    },
+    "OllamaEmbedRequest": {
+        "type": "object",
+        "required": ["model"],
+        **_LOOSE,
+        "properties": {
+            "model": _OLLAMA_MODEL,
+            "input": {
+                "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]
+            },
+            "dimensions": {"type": "integer", "minimum": 1},
+            "truncate": {"type": "boolean"},
+            "options": _OLLAMA_OPTIONS,
+            "keep_alive": _OLLAMA_KEEP_ALIVE,
+        },
+    },
+    "OllamaEmbeddingsRequest": {
+        "type": "object",
+        "required": ["model"],
+        **_LOOSE,
+        "properties": {
+            "model": _OLLAMA_MODEL,
+            "prompt": {"type": "string"},
+            "options": _OLLAMA_OPTIONS,
+            "keep_alive": _OLLAMA_KEEP_ALIVE,
+        },
+    },
+    "OllamaShowRequest": {
+        "type": "object",
+        "required": ["model"],
+        **_LOOSE,
+        "properties": {"model": _OLLAMA_MODEL, "verbose": {"type": "boolean"}},
+    },
+    "OllamaAnswer": {
+        "type": "object",
+        "required": ["model", "created_at", "done"],
+        "properties": {
+            "model": {"type": "string"},
+            "created_at": {"type": "string", "format": "date-time"},
+            "message": {
+                "type": "object",
+                "description": "`/api/chat`: `role`, `content`, `thinking`, `tool_calls`.",
+            },
+            "response": {"type": "string", "description": "`/api/generate`."},
+            "thinking": {"type": "string"},
+            "done": {"type": "boolean"},
+            "done_reason": {"enum": ["stop", "length", "load", "unload"]},
+            **_OLLAMA_DURATIONS,
+        },
+    },
+    "OllamaEmbedAnswer": {
+        "type": "object",
+        "required": ["model", "embeddings"],
+        "properties": {
+            "model": {"type": "string"},
+            "embeddings": {
+                "type": "array",
+                "items": {"type": "array", "items": {"type": "number"}},
+            },
+            "total_duration": _OLLAMA_DURATIONS["total_duration"],
+            "load_duration": _OLLAMA_DURATIONS["load_duration"],
+            "prompt_eval_count": {"type": "integer"},
+        },
+    },
+    "OllamaEmbeddingsAnswer": {
+        "type": "object",
+        "required": ["embedding"],
+        "properties": {"embedding": {"type": "array", "items": {"type": "number"}}},
+    },
+    "OllamaShow": {
+        "type": "object",
+        "properties": {
+            "modelfile": {"type": "string"},
+            "parameters": {"type": "string"},
+            "template": {"type": "string", "description": "The model's own (Jinja) template."},
+            "details": {"type": "object"},
+            "model_info": {"type": "object"},
+            "capabilities": {"type": "array", "items": {"type": "string"}},
+            "modified_at": {"type": "string", "format": "date-time"},
+        },
+    },
+    "OllamaModels": {
+        "type": "object",
+        "required": ["models"],
+        "properties": {
+            "models": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string"},
+                        "model": {"type": "string"},
+                        "size": {"type": "integer"},
+                        "digest": {"type": "string"},
+                        "details": {"type": "object"},
+                        "modified_at": {"type": "string", "format": "date-time"},
+                        "expires_at": {"type": "string", "format": "date-time"},
+                        "size_vram": {"type": "integer"},
+                        "context_length": {"type": "integer"},
+                        "capabilities": {"type": "array", "items": {"type": "string"}},
+                    },
+                },
+            }
+        },
+    },
+    "OllamaVersion": {
+        "type": "object",
+        "required": ["version"],
+        "properties": {"version": {"type": "string"}},
+    },
+}
+SCHEMAS.update(OLLAMA_SCHEMAS)
 
 _SPEC = _build_spec()
 

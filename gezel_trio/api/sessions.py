@@ -4,8 +4,9 @@ A session is listed where its KV lives: in an engine slot, parked on disk, or
 both. A caller sees only its own sessions (the API key that made them); an
 admin key sees every caller's. ``DELETE /api/sessions/{id}`` removes the
 session's KV everywhere: each idle slot holding it is erased and its parked
-files are deleted. Ids are the session hashes shown in logs and status, never a
-chat's name.
+files are deleted; ``{id}`` may also be the name the client sent, looked up
+among the caller's own sessions. Listed ids are the session hashes shown in
+logs and status, never a chat's name (the host keeps no names).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from quart import Blueprint, Response, current_app, g
 from ..errors import SessionBusy, SessionNotFound
 from ..host import Host
 from ..sessions import session_hash
-from .app import ADMIN_ATTR, CALLER_ATTR
+from .auth import ADMIN_ATTR, CALLER_ATTR, MAX_SESSION_NAME
 from .errors import json_response
 
 bp = Blueprint("sessions", __name__)
@@ -71,11 +72,19 @@ async def list_sessions() -> Response:
 
 @bp.delete("/api/sessions/<session_id>")
 async def delete_session(session_id: str) -> Response:
+    """Remove a session by its id, or by the name its client sent (``prompt_cache_key``,
+    ``X-Session-Id``, ...): a name is looked up among the caller's own sessions only, so
+    another caller cannot learn that it exists."""
     host = _host()
-    if session_id not in _listing(host):
-        raise SessionNotFound(
-            f"no session {session_id[:64]!r} of yours is held here; GET /api/sessions lists the ids"
-        )
+    listing = _listing(host)
+    if session_id not in listing:
+        named = _id_of_name(host, session_id)
+        if named not in listing:
+            raise SessionNotFound(
+                f"no session {session_id[:64]!r} of yours is held here (by id or by name); "
+                "GET /api/sessions lists the ids"
+            )
+        session_id = named
     sessions = _full_sessions(host, session_id)
     erased = busy = 0
     if host.scheduler is not None:
@@ -94,6 +103,14 @@ async def delete_session(session_id: str) -> Response:
             "the request has finished"
         )
     return json_response({"id": session_id, "slots_erased": erased, "files_deleted": files})
+
+
+def _id_of_name(host: Host, name: str) -> str | None:
+    """The id of the requesting caller's session named ``name``."""
+    caller = g.get(CALLER_ATTR)
+    if not isinstance(caller, str) or not name:
+        return None
+    return session_hash(host.sessions.session(caller, name[:MAX_SESSION_NAME]))
 
 
 def _full_sessions(host: Host, session_id: str) -> set[str]:

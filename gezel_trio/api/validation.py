@@ -221,3 +221,32 @@ def _check_message(i: int, m: dict[str, Any]) -> None:
             args = fn.get("arguments")
             if args is not None and not isinstance(args, str | dict):
                 raise FieldError(f"{where}.tool_calls[{j}].function.arguments", "expected a string")
+
+
+def check_infill_body(body: dict[str, Any]) -> None:
+    """Check a fill-in-the-middle request (llama.vscode's and llama.vim's shape), then
+    its sampling fields as for any native completion."""
+    for name in ("input_prefix", "input_suffix"):
+        if not isinstance(body.get(name), str):
+            raise FieldError(
+                name,
+                "required: the code before (input_prefix) and after "
+                "(input_suffix) the cursor, as strings (either may be empty)",
+            )
+    if "prompt" in body and not isinstance(body["prompt"], str):
+        raise FieldError("prompt", "expected a string")
+    extra = body.get("input_extra")
+    if extra is not None:
+        if not isinstance(extra, list):
+            raise FieldError("input_extra", "expected an array of {filename, text} objects")
+        for i, chunk in enumerate(extra):
+            if not isinstance(chunk, dict):
+                raise FieldError(f"input_extra[{i}]", "expected an object with filename and text")
+            for key in ("filename", "text"):
+                if key in chunk and not isinstance(chunk[key], str):
+                    raise FieldError(f"input_extra[{i}].{key}", "expected a string")
+    for name in ("t_max_prompt_ms", "t_max_predict_ms"):
+        v = body.get(name)
+        if v is not None and not _is_int(v):
+            raise FieldError(name, "expected an integer number of milliseconds")
+    check_completion_body(body, kind="native")

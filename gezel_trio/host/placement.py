@@ -115,6 +115,7 @@ def argv_builder(
             ],
             user_args=model.args,
             embeddings=model.embeddings,
+            reranking=model.reranking,
             alias=model.id,
             rpc=model.rpc,
         )

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import trio
@@ -181,6 +181,17 @@ class ModelRuntime:
     async def wait_failed(self) -> None:
         """Return once the engine is FAILED (at once if it is now)."""
         await self.engine.state.wait_value(EngineState.FAILED)
+
+    def set_idle_ttl(self, seconds: float | None) -> None:
+        """Release this model's engine once it has stayed idle ``seconds`` (0: keep it
+        until evicted or stopped), counted from now or from the end of the request
+        that holds it, in place of its configured ``idle_ttl``; None restores the
+        configured one. Ollama's ``keep_alive`` sets it per request. The engine looks
+        at it at its next health check at the latest."""
+        ttl = self.config.idle_ttl if seconds is None else max(0.0, seconds)
+        self.engine.timing = replace(self.engine.timing, idle_ttl=ttl)
+        with self.hold():
+            pass  # the idle clock starts again now
 
     async def measure_slots(self) -> SlotMeasurement | None:
         """``GET /slots`` as a sample (``None`` when unknown). May raise project errors."""

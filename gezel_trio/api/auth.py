@@ -1,0 +1,217 @@
+"""Who sends a request, and which of their conversations it belongs to.
+
+Two things every route needs, in one place:
+
+- **The caller.** :func:`install_auth` checks the API key of every request
+  (``Authorization: Bearer``, or ``X-Api-Key`` as Anthropic's SDK sends it) and
+  records whose key it was as the caller: the HMAC identity of the key, never the
+  key itself. Without keys every request is the one local caller's.
+- **The owner.** :func:`request_owner` names the chat a request continues, from
+  whichever field its client uses (:data:`SESSION_HEADERS` and the body fields
+  in :func:`session_name`), scoped by the caller: two keys that use one name
+  get two owners, so KV never crosses callers.
+
+Errors are shaped for the dialect of the path (see :mod:`.errors`).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from quart import Response, g, request
+from quart_trio import QuartTrio
+from werkzeug.datastructures import Headers
+
+from ..host import Host
+from .errors import OLLAMA_PATHS, error_response
+
+__all__ = [
+    "ADMIN_ATTR",
+    "CALLER_ATTR",
+    "SESSION_HEADERS",
+    "Owner",
+    "install_auth",
+    "request_owner",
+    "session_name",
+]
+
+# ``/`` is the status page's static HTML: it holds no data and asks for the
+# admin key itself (a browser cannot send a bearer header when navigating).
+# ``HEAD /`` is how Ollama's clients check that a server is there.
+PUBLIC_PATHS = frozenset({"/health", "/"})
+ADMIN_PREFIXES = ("/api/",)
+CALLER_PREFIXES = ("/api/sessions",)
+"""Under ``/api/`` but open to every key: each caller sees and removes its own sessions."""
+# Everything else, /metrics and /openapi.json included, needs an API key when keys are set.
+
+ADMIN_ATTR = "gezel_admin"
+"""The attribute of quart's ``g`` that is True when an admin key (or no keys at all)
+authenticated the request."""
+
+CALLER_ATTR = "gezel_caller"
+"""The attribute of quart's ``g`` that holds the request's caller: the HMAC identity
+of the key that authenticated it (``SessionKeys.caller``), never the key itself."""
+
+SESSION_HEADERS = (
+    "X-Session-Id",
+    "X-Claude-Code-Session-Id",  # Claude Code
+    "session_id",  # Codex, Roo
+    "conversation_id",  # Codex
+    "X-OpenWebUI-Chat-Id",  # Open WebUI, with header forwarding on
+    "x-litellm-session-id",  # LiteLLM
+)
+"""Headers that name a conversation, in the order they are read."""
+
+MAX_SESSION_NAME = 512
+
+
+def _presented_key() -> str | None:
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip()
+    key = request.headers.get("X-Api-Key")
+    return key.strip() if key else None
+
+
+def _matches(candidate: str, keys: list[str]) -> bool:
+    """Constant-time comparison against every key (no early exit on a match)."""
+    found = False
+    c = candidate.encode("utf-8", "surrogatepass")
+    for key in keys:
+        found |= hmac.compare_digest(c, key.encode("utf-8"))
+    return found
+
+
+def _is_admin_path(path: str) -> bool:
+    return (
+        path.startswith(ADMIN_PREFIXES)
+        and not path.startswith(CALLER_PREFIXES)
+        and path not in OLLAMA_PATHS
+    )
+
+
+def install_auth(app: QuartTrio, host: Host) -> None:
+    """Check every request's key before its route runs, and record its caller."""
+    cfg = host.config.server
+
+    @app.before_request
+    async def authenticate() -> Response | None:
+        keys = cfg.api_keys
+        admin_keys = cfg.admin_keys
+        if not keys and not admin_keys:
+            setattr(g, CALLER_ATTR, host.sessions.caller(None))
+            setattr(g, ADMIN_ATTR, True)
+            return None
+        if request.path in PUBLIC_PATHS or request.method == "OPTIONS":
+            return None
+        token = _presented_key()
+        if token is None:
+            return error_response(
+                401,
+                "missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+                type_="invalid_request_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        admin_ok = _matches(token, admin_keys) if admin_keys else _matches(token, keys)
+        if _is_admin_path(request.path):
+            if not admin_ok:
+                status = 403 if _matches(token, keys) else 401
+                return error_response(
+                    status,
+                    "this endpoint needs an admin key" if status == 403 else "invalid API key",
+                    type_="invalid_request_error",
+                    code="insufficient_permissions" if status == 403 else "invalid_api_key",
+                )
+            setattr(g, CALLER_ATTR, host.sessions.caller(token))
+            setattr(g, ADMIN_ATTR, True)
+            return None
+        if not (_matches(token, keys) or admin_ok):
+            return error_response(
+                401,
+                "invalid API key",
+                type_="invalid_request_error",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        setattr(g, CALLER_ATTR, host.sessions.caller(token))  # the key that matched
+        setattr(g, ADMIN_ATTR, admin_ok)
+        return None
+
+
+def request_caller() -> str:
+    """The authenticated caller of this request. Refuses (RuntimeError) when the auth
+    hook did not run: never share a cache by accident."""
+    caller = g.get(CALLER_ATTR)
+    if not isinstance(caller, str):
+        raise RuntimeError("no authenticated caller for this request")
+    return caller
+
+
+def session_name(body: Mapping[str, Any], headers: Headers | Mapping[str, str]) -> str | None:
+    """The name of the conversation a request continues, from its client's own field.
+
+    In order: ``prompt_cache_key`` (OpenAI, Codex); Anthropic's ``metadata.user_id``
+    (Claude Code: ``user_<hash>_account_<id>_session_<uuid>``, or a JSON string with
+    ``session_id``), read for its session part alone so one user's chats stay apart;
+    then the first of :data:`SESSION_HEADERS`. None when the client sent none.
+    """
+    key = body.get("prompt_cache_key")
+    if isinstance(key, str) and key:
+        return key[:MAX_SESSION_NAME]
+    metadata = body.get("metadata")
+    if isinstance(metadata, Mapping):
+        from_user = _claude_code_session(metadata.get("user_id"))
+        if from_user:
+            return from_user[:MAX_SESSION_NAME]
+    for header in SESSION_HEADERS:
+        value = headers.get(header)
+        if value:
+            return value[:MAX_SESSION_NAME]
+    return None
+
+
+def _claude_code_session(user_id: object) -> str | None:
+    if not isinstance(user_id, str) or not user_id:
+        return None
+    if user_id.startswith("{"):
+        try:
+            parsed = json.loads(user_id)
+        except ValueError:
+            return None
+        found = parsed.get("session_id") if isinstance(parsed, dict) else None
+        return found if isinstance(found, str) and found else None
+    _, marker, session = user_id.rpartition("_session_")
+    return session if marker and session else None
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """Whose KV a request's slot holds, as the scheduler keys it: ``session`` is the
+    caller's named chat, the caller's keyless owner (``[scheduler] keyless =
+    "shared"``), or None for a blind request (``"blind"``); ``keyless`` says the
+    client named no conversation."""
+
+    session: str | None
+    keyless: bool
+
+    @property
+    def route_session(self) -> str | None:
+        """The session a replicated model routes by: a keyless owner spreads by load."""
+        return None if self.keyless else self.session
+
+
+def request_owner(host: Host, body: Mapping[str, Any]) -> Owner:
+    """The owner of this request's KV: the caller's chat that :func:`session_name`
+    names, else the caller's keyless owner as ``[scheduler] keyless`` says. Never
+    shared across callers."""
+    name = session_name(body, request.headers)
+    caller = request_caller()
+    session = host.sessions.owner(caller, name, keyless=host.config.scheduler.keyless)
+    if session is not None and host.kv is not None:
+        host.kv.note_caller(session, caller)  # whose parked KV it will be
+    return Owner(session, keyless=name is None)
