@@ -487,3 +487,33 @@ async def test_messages_errors_of_the_host_itself_are_in_anthropics_shape(
     assert "message_stop" not in events
     assert error["type"] == "error" and error["error"]["type"] == "api_error"
     assert "tiny" in error["error"]["message"]
+
+
+async def test_audio_transcriptions_answer_as_the_engine_does(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    """A model without an audio projector: the same status and body through the host as
+    directly (the engine's own refusal), with the official SDK's multipart upload."""
+    wav = b"RIFF$\x00\x00\x00WAVEfmt \x10\x00\x00\x00\x01\x00\x01\x00\x80>\x00\x00"
+    wav += b"\x00}\x00\x00\x02\x00\x10\x00data\x00\x00\x00\x00"
+    with trio.fail_after(120):
+        async with running(_cfg(tiny_model, state_dir, engine_binary)) as (host, http):
+            assert (await http.post("/api/models/tiny/load", headers=AUTH)).status_code == 200
+            engine_url = host.models["tiny"].engine.base_url
+            assert engine_url is not None
+            base = str(http.base_url).rstrip("/")
+
+            def transcribe(url: str) -> openai.APIStatusError:
+                client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+                with pytest.raises(openai.APIStatusError) as refused:
+                    client.audio.transcriptions.create(model="tiny", file=("a.wav", wav))
+                return refused.value
+
+            through = await trio.to_thread.run_sync(transcribe, base)
+            direct_ = await trio.to_thread.run_sync(transcribe, engine_url)
+            no_file = await http.post(
+                "/v1/audio/transcriptions", files={"model": (None, "tiny")}, headers=AUTH
+            )
+    assert direct_.status_code == through.status_code == 501
+    assert through.body == direct_.body
+    assert no_file.status_code == 400 and no_file.json()["error"]["param"] == "file"

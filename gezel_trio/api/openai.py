@@ -130,6 +130,35 @@ async def embeddings() -> Response:
     )
 
 
+@bp.post("/v1/audio/transcriptions")
+@bp.post("/audio/transcriptions")
+async def audio_transcriptions() -> Response:
+    """Speech to text (multipart, OpenAI's shape) on a model with an audio projector:
+    the upload goes to the engine as it came, and the engine's answer comes back as it
+    is (a model without audio gets the engine's own refusal).
+
+    The engine turns it into a chat on a slot of its own choosing (it reads no
+    ``id_slot`` from a form), so the request holds every slot of the engine, as
+    embeddings do, and leaves them unknown (erased before a chat uses one)."""
+    host = _host()
+    content_type = request.headers.get("Content-Type", "")
+    if not content_type.startswith("multipart/form-data"):
+        raise FieldError("file", "send the audio as multipart/form-data (file, model)")
+    raw = await request.get_data(cache=True, as_text=False)
+    assert isinstance(raw, bytes)
+    form = await request.form
+    if "file" not in await request.files:
+        raise FieldError("file", "required: the audio file to transcribe")
+    runtime = resolve_model(host, form.get("model") or None)
+    async with host.slot(runtime, any_slot=True):
+        result = await runtime.client.forward(
+            "POST", "/v1/audio/transcriptions", raw=(raw, content_type)
+        )
+    return Response(
+        result.content, status=result.head.status, content_type=result.head.content_type
+    )
+
+
 @bp.get("/v1/models")
 @bp.get("/models")
 async def list_models() -> Response:

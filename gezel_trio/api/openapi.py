@@ -194,6 +194,7 @@ ALIASES = {
     "/responses": "/v1/responses",
     "/chat/completions/input_tokens": "/v1/chat/completions/input_tokens",
     "/responses/input_tokens": "/v1/responses/input_tokens",
+    "/audio/transcriptions": "/v1/audio/transcriptions",
     "/rerank": "/v1/rerank",
     "/reranking": "/v1/rerank",
     "/v1/reranking": "/v1/rerank",
@@ -266,6 +267,31 @@ def _dialect_paths() -> dict[str, Any]:
         "/v1/responses/input_tokens": _slot_free_op(
             "OpenAI", "Input tokens of a Responses request"
         ),
+        "/v1/audio/transcriptions": {
+            "post": {
+                "tags": ["OpenAI"],
+                "summary": "Speech to text, on a model with an audio projector (multipart)",
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "multipart/form-data": {
+                            "schema": {
+                                "type": "object",
+                                "required": ["file"],
+                                "properties": {
+                                    "file": {"type": "string", "format": "binary"},
+                                    "model": {"type": "string"},
+                                },
+                            }
+                        }
+                    },
+                },
+                "responses": _inference_responses(
+                    _ok("The engine's answer.", {"type": "object"}),
+                    what="Bad request: not multipart, or no file (`param: file`)",
+                ),
+            }
+        },
         "/v1/rerank": {
             "post": {
                 "tags": ["llama.cpp native"],

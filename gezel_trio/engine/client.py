@@ -239,11 +239,20 @@ class EngineClient:
         timeout: httpx.Timeout,
         json: Any = None,
         params: Mapping[str, str] | None = None,
+        raw: tuple[bytes, str] | None = None,
     ) -> httpx.Request:
+        """``json`` as the body, or ``raw``: (bytes, content type) sent as they are."""
         url = self._url(path)
         if params:
             url = url.copy_merge_params(params)
-        return httpx.Request(method, url, json=json, extensions={"timeout": timeout.as_dict()})
+        extensions = {"timeout": timeout.as_dict()}
+        if raw is not None:
+            content, content_type = raw
+            headers = {"Content-Type": content_type}
+            return httpx.Request(
+                method, url, content=content, headers=headers, extensions=extensions
+            )
+        return httpx.Request(method, url, json=json, extensions=extensions)
 
     async def _exchange(self, request: httpx.Request, *, stream: bool = False) -> httpx.Response:
         """Send under the retry rule; the body is read unless ``stream``."""
@@ -353,11 +362,13 @@ class EngineClient:
         body: Mapping[str, Any] | None = None,
         params: Mapping[str, str] | None = None,
         slot: int | None = None,
+        raw: tuple[bytes, str] | None = None,
     ) -> UpstreamResult:
-        """Send one request and read the whole answer. Cancellation closes the
+        """Send one request (``body`` as JSON, or ``raw``: bytes and their content type,
+        for a multipart upload) and read the whole answer. Cancellation closes the
         connection (llama-server stops the task when it notices)."""
         request = self._request(
-            method, path, json=body, params=params, timeout=_timeout(self.read_timeout)
+            method, path, json=body, params=params, raw=raw, timeout=_timeout(self.read_timeout)
         )
         self._note(path, slot)
         try:
