@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TextIO
+from urllib.parse import quote
 
 import httpx
 
@@ -289,6 +290,20 @@ def _print_lines(out: TextIO, lines: Iterable[str], *, as_json: bool) -> None:
 
 
 def cmd_sessions(client: Client, args: argparse.Namespace, out: TextIO) -> int:
+    if args.action == "rm":
+        if not args.session:
+            raise HostError("sessions rm: name the session, by the name your client sent or its id")
+        gone = client.call("DELETE", "/api/sessions/" + quote(args.session, safe=""))
+        _emit(
+            out,
+            gone,
+            as_json=args.json,
+            text=lambda v: (
+                f"removed {v['id']}: {v['slots_erased']} slot(s) erased, "
+                f"{v['files_deleted']} parked file(s) deleted"
+            ),
+        )
+        return 0
     listing = client.call("GET", "/api/sessions")
 
     def text(value: dict[str, Any]) -> str:
@@ -299,8 +314,8 @@ def cmd_sessions(client: Client, args: argparse.Namespace, out: TextIO) -> int:
                 f"{p['model']} {p['tokens']} tok {human_bytes(p['bytes'])}"
                 for p in s.get("parked", [])
             )
-            rows.append([s["id"], slots or None, parked or None])
-        return table(rows, ("SESSION", "IN SLOT", "PARKED"))
+            rows.append([s.get("name"), s["id"], slots or None, parked or None])
+        return table(rows, ("NAME", "SESSION", "IN SLOT", "PARKED"))
 
     _emit(out, listing, as_json=args.json, text=text)
     return 0
@@ -322,12 +337,15 @@ def add_client_commands(sub: Any) -> None:
         ("load", "start a model's engine and wait until it is ready", cmd_load),
         ("unload", "stop a model's engine (its sessions are parked first)", cmd_unload),
         ("logs", "a model's engine log", cmd_logs),
-        ("sessions", "the sessions your key holds (an admin key: all)", cmd_sessions),
+        ("sessions", "the sessions your key holds (an admin key: all); rm NAME", cmd_sessions),
     ]
     for name, help_, func in specs:
         p = sub.add_parser(name, help=help_, parents=[common])
         if name in ("load", "unload", "logs"):
             p.add_argument("model", help="the model id")
+        if name == "sessions":
+            p.add_argument("action", nargs="?", choices=("rm",), help="rm: remove one")
+            p.add_argument("session", nargs="?", help="its name (as your client sent it) or id")
         if name == "logs":
             p.add_argument("--lines", "-n", type=int, default=100, help="lines to show first")
             p.add_argument("--follow", "-f", action="store_true", help="keep printing new lines")

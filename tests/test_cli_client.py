@@ -124,8 +124,23 @@ def test_sessions_of_the_caller(host_url: str) -> None:
     assert r.status_code == 200
     mine = json.loads(_cli("sessions", "--json", url=host_url, key="k-user").stdout)
     assert len(mine["sessions"]) == 1 and mine["sessions"][0]["slots"]
+    assert mine["sessions"][0]["name"] == "chat-1"  # the name its client sent, to its owner
     text = _cli("sessions", url=host_url, key="k-user").stdout.splitlines()
-    assert text[0].split() == ["SESSION", "IN", "SLOT", "PARKED"] and "tiny#" in text[1]
+    assert text[0].split() == ["NAME", "SESSION", "IN", "SLOT", "PARKED"]
+    assert text[1].startswith("chat-1") and "tiny#" in text[1]
+    # the admin sees every caller's sessions, but not their names
+    every = json.loads(_cli("sessions", "--json", url=host_url).stdout)["sessions"]
+    assert [s["id"] for s in every] == [mine["sessions"][0]["id"]]
+    assert every[0]["name"] is None
+    # removed by its name; another caller's name of the same chat is not found
+    gone = _cli("sessions", "rm", "chat-1", url=host_url, key="k-user")
+    assert gone.returncode == 0 and "removed " + mine["sessions"][0]["id"] in gone.stdout
+    again = _cli("sessions", "rm", "chat-1", url=host_url, key="k-user")
+    assert again.returncode == 1 and "404" in again.stderr
+    assert json.loads(_cli("sessions", "--json", url=host_url, key="k-user").stdout) == {
+        "sessions": [],
+        "kv_parking": True,
+    }
 
 
 def test_ps_says_why_a_model_failed_and_memory_only_while_held(

@@ -245,6 +245,8 @@ async def test_sessions_api_lists_own_sessions_and_deletes_everywhere(
             assert len(mine) == 1 and mine[0]["parked"] and not mine[0]["slots"]
             assert len(theirs) == 1 and theirs[0]["slots"] == [{"model": "tiny", "slot": 0}]
             assert mine[0]["id"] != theirs[0]["id"]
+            assert mine[0]["name"] == theirs[0]["name"] == "chat"  # each sees its own name
+            assert all(s["name"] is None for s in every)  # the admin: no one's name
             assert {s["id"] for s in every} == {mine[0]["id"], theirs[0]["id"]}
             # a caller cannot remove another's session, nor see whether it exists
             r = await client.delete(f"/api/sessions/{mine[0]['id']}", headers=b)

@@ -16,13 +16,14 @@ Errors are shaped for the dialect of the path (see :mod:`.errors`).
 
 from __future__ import annotations
 
+import collections
 import hmac
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from quart import Response, g, request
+from quart import Response, current_app, g, request
 from quart_trio import QuartTrio
 from werkzeug.datastructures import Headers
 
@@ -34,9 +35,11 @@ __all__ = [
     "CALLER_ATTR",
     "SESSION_HEADERS",
     "Owner",
+    "SessionNames",
     "install_auth",
     "request_owner",
     "session_name",
+    "session_names",
 ]
 
 # ``/`` is the status page's static HTML: it holds no data and asks for the
@@ -69,6 +72,35 @@ SESSION_HEADERS = (
 MAX_SESSION_NAME = 512
 
 
+class SessionNames:
+    """The names clients sent for their sessions, by session id, so that a caller can
+    see its own chats by the name it gave them. In memory only and bounded (the least
+    recently used are forgotten): a name is the caller's own data, shown back to that
+    caller alone, never logged and never written to disk."""
+
+    __slots__ = ("_names", "limit")
+
+    def __init__(self, limit: int = 4096) -> None:
+        self.limit = limit
+        self._names: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+    def __repr__(self) -> str:
+        return f"<SessionNames {len(self._names)} of at most {self.limit}>"
+
+    def note(self, session: str, name: str) -> None:
+        self._names[session] = name
+        self._names.move_to_end(session)
+        while len(self._names) > self.limit:
+            self._names.popitem(last=False)
+
+    def name_of(self, session: str) -> str | None:
+        return self._names.get(session)
+
+
+NAMES_ATTR = "GEZEL_SESSION_NAMES"
+"""The app's config key for its :class:`SessionNames`."""
+
+
 def _presented_key() -> str | None:
     auth = request.headers.get("Authorization", "")
     if auth[:7].lower() == "bearer ":
@@ -95,8 +127,10 @@ def _is_admin_path(path: str) -> bool:
 
 
 def install_auth(app: QuartTrio, host: Host) -> None:
-    """Check every request's key before its route runs, and record its caller."""
+    """Check every request's key before its route runs, and record its caller; keep the
+    names its sessions were given (:class:`SessionNames`)."""
     cfg = host.config.server
+    app.config[NAMES_ATTR] = SessionNames()
 
     @app.before_request
     async def authenticate() -> Response | None:
@@ -214,4 +248,12 @@ def request_owner(host: Host, body: Mapping[str, Any]) -> Owner:
     session = host.sessions.owner(caller, name, keyless=host.config.scheduler.keyless)
     if session is not None and host.kv is not None:
         host.kv.note_caller(session, caller)  # whose parked KV it will be
+    if session is not None and name is not None:
+        session_names().note(session, name)
     return Owner(session, keyless=name is None)
+
+
+def session_names() -> SessionNames:
+    """The app's :class:`SessionNames`."""
+    names: SessionNames = current_app.config[NAMES_ATTR]
+    return names

@@ -5,8 +5,9 @@ both. A caller sees only its own sessions (the API key that made them); an
 admin key sees every caller's. ``DELETE /api/sessions/{id}`` removes the
 session's KV everywhere: each idle slot holding it is erased and its parked
 files are deleted; ``{id}`` may also be the name the client sent, looked up
-among the caller's own sessions. Listed ids are the session hashes shown in
-logs and status, never a chat's name (the host keeps no names).
+among the caller's own sessions. Ids are the session hashes shown in logs and
+status; a row's ``name`` is the name its client sent, shown to that caller alone
+(kept in memory, the last 4096 named sessions; ``null`` after a restart).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from quart import Blueprint, Response, current_app, g
 from ..errors import SessionBusy, SessionNotFound
 from ..host import Host
 from ..sessions import session_hash
-from .auth import ADMIN_ATTR, CALLER_ATTR, MAX_SESSION_NAME
+from .auth import ADMIN_ATTR, CALLER_ATTR, MAX_SESSION_NAME, session_names
 from .errors import json_response
 
 bp = Blueprint("sessions", __name__)
@@ -39,13 +40,19 @@ def _listing(host: Host) -> dict[str, dict[str, Any]]:
     kv = host.kv
     out: dict[str, dict[str, Any]] = {}
 
-    def row(sid: str) -> dict[str, Any]:
-        return out.setdefault(sid, {"id": sid, "slots": [], "parked": []})
+    names = session_names()
+
+    def row(sid: str, session: str, owner: str | None) -> dict[str, Any]:
+        found = out.setdefault(sid, {"id": sid, "name": None, "slots": [], "parked": []})
+        if found["name"] is None and caller is not None and owner == caller:
+            found["name"] = names.name_of(session)  # its own chat's name, to its owner alone
+        return found
 
     if kv is not None:
         for entry in kv.sessions():
-            if _visible(caller, entry.caller or kv.caller_of(entry.session)):
-                r = row(entry.session_id)
+            owner = entry.caller or kv.caller_of(entry.session)
+            if _visible(caller, owner):
+                r = row(entry.session_id, entry.session, owner)
                 r["parked"].append(
                     {
                         "model": entry.model,
@@ -59,7 +66,8 @@ def _listing(host: Host) -> dict[str, dict[str, Any]]:
         for model_id, slot, session in host.scheduler.sessions_in_slots():
             owner = kv.caller_of(session) if kv is not None else None
             if _visible(caller, owner):
-                row(session_hash(session) or "")["slots"].append({"model": model_id, "slot": slot})
+                found = row(session_hash(session) or "", session, owner)
+                found["slots"].append({"model": model_id, "slot": slot})
     return out
 
 
