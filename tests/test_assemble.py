@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import trio
 
-from gezel_trio.api.assemble import SseDecoder, StreamAssembler
+from gezel_trio.engine.assemble import SseDecoder, StreamAssembler
 from gezel_trio.config import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 

@@ -20,8 +20,10 @@ from typing import Any
 
 from quart import Blueprint, Response, current_app
 
+from ..engine.assemble import SseDecoder
 from ..errors import EngineFailed, GezelError
 from ..host import Host
+from ..host.completion import Completion
 from .anthropic_translate import (
     MessageStream,
     chat_to_message,
@@ -30,11 +32,10 @@ from .anthropic_translate import (
     error_type_for,
     messages_to_chat,
 )
-from .assemble import SseDecoder
 from .auth import request_owner
 from .errors import json_response
 from .metrics_endpoint import resolve_model, token_counts
-from .relay import Counts, Upstream, proxy_completion, requested_model, slot_free_call
+from .relay import Counts, proxy_completion, requested_model, slot_free_call
 from .validation import read_json_object
 
 bp = Blueprint("anthropic", __name__)
@@ -104,7 +105,7 @@ async def messages() -> Response:
     stream = body.get("stream") is True
     if stream:
         chat["stream_options"] = {"include_usage": True}
-    upstream = Upstream("/v1/chat/completions", chat, "chat", stream=stream)
+    upstream = Completion("/v1/chat/completions", chat, "chat", stream=stream)
     stop_sequences = [s for s in body.get("stop_sequences") or () if isinstance(s, str)]
     shaper = AnthropicShaper(requested_model(body, runtime), stop_sequences)
     return await proxy_completion(host, runtime, upstream, owner=owner, shaper=shaper)

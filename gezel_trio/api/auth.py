@@ -20,7 +20,6 @@ import collections
 import hmac
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from quart import Response, current_app, g, request
@@ -28,6 +27,7 @@ from quart_trio import QuartTrio
 from werkzeug.datastructures import Headers
 
 from ..host import Host
+from ..host.completion import Owner
 from .errors import OLLAMA_PATHS, error_response
 
 __all__ = [
@@ -221,22 +221,6 @@ def _claude_code_session(user_id: object) -> str | None:
         return found if isinstance(found, str) and found else None
     _, marker, session = user_id.rpartition("_session_")
     return session if marker and session else None
-
-
-@dataclass(frozen=True, slots=True)
-class Owner:
-    """Whose KV a request's slot holds, as the scheduler keys it: ``session`` is the
-    caller's named chat, the caller's keyless owner (``[scheduler] keyless =
-    "shared"``), or None for a blind request (``"blind"``); ``keyless`` says the
-    client named no conversation."""
-
-    session: str | None
-    keyless: bool
-
-    @property
-    def route_session(self) -> str | None:
-        """The session a replicated model routes by: a keyless owner spreads by load."""
-        return None if self.keyless else self.session
 
 
 def request_owner(host: Host, body: Mapping[str, Any]) -> Owner:

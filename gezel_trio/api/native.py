@@ -36,9 +36,10 @@ from quart import Blueprint, Response, current_app, request
 from ..engine.client import UpstreamResult
 from ..errors import EngineCrashed, FieldError
 from ..host import Host
+from ..host.completion import Completion
 from .auth import request_owner
 from .metrics_endpoint import resolve_model
-from .relay import PassThrough, Upstream, proxy_completion, rename_for, slot_free_call
+from .relay import PassThrough, proxy_completion, rename_for, slot_free_call
 from .validation import check_completion_body, check_infill_body, read_json_object
 
 bp = Blueprint("native", __name__)
@@ -89,7 +90,7 @@ async def _completion(model: str | None, path: str = "/completion") -> Response:
         check_completion_body(body, kind="native")
     owner = request_owner(host, body)
     runtime = resolve_model(host, body.get("model"), session=owner.route_session)
-    upstream = Upstream(
+    upstream = Completion(
         path,
         body,
         "native",

@@ -44,12 +44,13 @@ import trio
 from quart import Blueprint, Response, current_app, g, request
 from quart.wrappers.response import IterableBody
 
+from ..engine.assemble import SseDecoder
 from ..engine.client import UpstreamResult
 from ..engine.supervisor import EngineState
 from ..errors import EngineFailed, FieldError, GezelError, UnknownModel
 from ..host import Host, ModelRuntime
-from .assemble import SseDecoder
-from .auth import Owner, request_owner
+from ..host.completion import Completion, Owner
+from .auth import request_owner
 from .errors import json_response
 from .metrics_endpoint import resolve_model, token_counts
 from .ollama_translate import (
@@ -83,7 +84,7 @@ from .ollama_translate import (
     template_supports_tools,
     version_body,
 )
-from .relay import Counts, Upstream, proxy_completion
+from .relay import Counts, proxy_completion
 from .validation import read_json_object
 
 __all__ = ["NDJSON", "OllamaShaper", "RequestClock", "bp", "has_projector", "model_facts"]
@@ -504,7 +505,7 @@ async def _completion(translate: Callable[[Mapping[str, Any]], EngineRequest]) -
     assert owner is not None
     if translated.load_only:
         return await _load_only(host, runtime, translated)
-    upstream = Upstream(
+    upstream = Completion(
         translated.path,
         translated.body,
         "chat" if translated.path == CHAT_PATH else "native",

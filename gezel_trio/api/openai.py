@@ -16,13 +16,14 @@ from typing import Any
 
 from quart import Blueprint, Response, current_app, request
 
+from ..engine.assemble import Shape
 from ..errors import FieldError
 from ..host import Host
-from .assemble import Shape
+from ..host.completion import Completion
 from .auth import request_owner
 from .errors import json_response
 from .metrics_endpoint import resolve_model
-from .relay import PassThrough, Upstream, proxy_completion, rename_for
+from .relay import PassThrough, proxy_completion, rename_for
 from .validation import check_completion_body, read_json_object
 
 bp = Blueprint("openai", __name__)
@@ -42,7 +43,7 @@ async def passthrough_completion(path: str, *, kind: str, shape: Shape) -> Respo
     check_completion_body(body, kind=kind)
     owner = request_owner(host, body)
     runtime = resolve_model(host, body.get("model"), session=owner.route_session)
-    upstream = Upstream(
+    upstream = Completion(
         path,
         body,
         shape,

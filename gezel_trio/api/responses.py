@@ -19,9 +19,10 @@ from quart import Blueprint, Response, current_app
 
 from ..errors import FieldError
 from ..host import Host
+from ..host.completion import Completion
 from .auth import request_owner
 from .metrics_endpoint import resolve_model
-from .relay import PassThrough, Upstream, proxy_completion, rename_for
+from .relay import PassThrough, proxy_completion, rename_for
 from .validation import read_json_object
 
 bp = Blueprint("responses", __name__)
@@ -73,6 +74,6 @@ async def create_response() -> Response:
     check_responses_body(body)
     owner = request_owner(host, body)
     runtime = resolve_model(host, body.get("model"), session=owner.route_session)
-    upstream = Upstream("/v1/responses", body, "responses", stream=body.get("stream") is True)
+    upstream = Completion("/v1/responses", body, "responses", stream=body.get("stream") is True)
     shaper = PassThrough(rename_for(body, runtime))
     return await proxy_completion(host, runtime, upstream, owner=owner, shaper=shaper)

@@ -63,6 +63,7 @@ from ..sessions import SessionKeys
 from .activity import Activity
 from .calibration import CalibrationBook, Calibrator, calibrate, serve_calibration
 from .catalog import open_model, serve_models_dir, wanted_models
+from .completion import CompletionService
 from .metrics import Metrics
 from .placement import EngineResolver
 from .runtime import ModelRuntime
@@ -120,6 +121,8 @@ class Host:
         """Per replicated model, which member each request goes to."""
         self.activity = Activity()
         """Recent requests and per-second queue and TTFT series (the dashboard's)."""
+        self.completions = CompletionService(self)
+        """How every completion runs on a slot (:mod:`.completion`)."""
 
     def __repr__(self) -> str:
         return f"<Host {len(self.models)} models policy={self.arbiter.policy}>"

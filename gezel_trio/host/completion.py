@@ -1,0 +1,479 @@
+"""The completion service: how every completion runs on a slot, whatever its dialect.
+
+A dialect (``gezel_trio.api``) parses its own shape, resolves the model once and
+hands over a :class:`Completion`: the engine route, the body, and how a
+non-streamed answer is assembled. From there every completion takes one path:
+
+- its limits are checked against the model (:meth:`CompletionService.check_limits`);
+- it takes a slot for its :class:`Owner` with ``async with host.completion_slot(...)``,
+  placed by the blocks of its prompt (:func:`prompt_blocks`);
+- it is sent pinned to that slot (``id_slot``; ``cache_prompt`` off when blind);
+- it is sent again, once, when the engine died before any of the answer reached
+  the client (to the restarted engine, or another replica);
+- a non-streamed completion is streamed from the engine and assembled here, so a
+  client that walks away stops generation at once (llama-server, measured on
+  b10435, kept generating a non-streamed request for 10 s and more after its
+  client closed).
+
+What comes back is the engine's, parsed once (:class:`Answer`), or a stream of
+its raw chunks (:class:`StreamJob`); shaping it for the client is the dialect's.
+Nothing here knows HTTP on the client's side.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Collection
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import trio
+
+from .._trio import unwrapping
+from ..config import Config
+from ..engine.assemble import Shape, SseDecoder, StreamAssembler
+from ..engine.client import UpstreamHead
+from ..engine.supervisor import EngineState
+from ..errors import EngineAbandoned, EngineCrashed, EngineFailed, FieldError, GezelError
+from ..scheduler import Grant, Prefix, prefix_blocks
+from ..sessions import session_hash
+from .runtime import ModelRuntime
+
+log = logging.getLogger("gezel_trio.requests")
+
+__all__ = [
+    "Answer",
+    "Completion",
+    "CompletionService",
+    "EngineAnswer",
+    "Item",
+    "Owner",
+    "StreamJob",
+    "prompt_blocks",
+    "upstream_body",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """Whose KV a request's slot holds, as the scheduler keys it: ``session`` is the
+    caller's named chat, the caller's keyless owner (``[scheduler] keyless =
+    "shared"``), or None for a blind request (``"blind"``); ``keyless`` says the
+    client named no conversation."""
+
+    session: str | None
+    keyless: bool
+
+    @property
+    def route_session(self) -> str | None:
+        """The session a replicated model routes by: a keyless owner spreads by load."""
+        return None if self.keyless else self.session
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """What one completion sends to its engine: the route, the body (the service adds
+    ``id_slot`` and ``cache_prompt``), whether it is streamed to the client, and how a
+    non-streamed answer is assembled from the engine's stream."""
+
+    path: str
+    body: dict[str, Any]
+    shape: Shape
+    stream: bool
+    keep_tokens: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EngineAnswer:
+    """An answer the engine gave instead of a completion: its status and body."""
+
+    status: int
+    content_type: str
+    content: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A non-streamed completion: the engine's answer assembled and parsed once (or its
+    own error answer), the member and grant it ran on, and when its first event came."""
+
+    result: dict[str, Any] | EngineAnswer
+    runtime: ModelRuntime
+    grant: Grant
+    first_event_at: float | None
+
+
+Item = UpstreamHead | bytes | GezelError
+"""What a stream job's channel carries: the engine's head, its raw chunks, and at most
+one failure, last."""
+
+
+def upstream_body(body: dict[str, Any], grant: Grant) -> dict[str, Any]:
+    """The body sent to the engine: the client's, with the scheduler's ``id_slot``,
+    and ``cache_prompt`` off for a blind request (it may reuse nothing the slot
+    holds)."""
+    out = dict(body)
+    out.pop("id_slot", None)
+    if grant.slot_id is not None:
+        out["id_slot"] = grant.slot_id
+    if grant.blind:
+        out["cache_prompt"] = False
+    return out
+
+
+TEXT_BLOCK_CHARS = 256
+TOKEN_BLOCK = 64
+
+
+def prompt_blocks(body: dict[str, Any]) -> Prefix:
+    """The blocks a request's prompt is placed by (see :mod:`gezel_trio.scheduler.prefix`):
+    one per message of a chat (or input item of a Responses request); for a text or
+    token prompt, and an infill's extra context and prefix, its *complete* fixed-size
+    pieces, so that a prompt that grows keeps every block of the shorter one. ``()``
+    when the body has none of these."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return prefix_blocks(_canonical(m) for m in messages)
+    parts: list[str] = []
+    if isinstance(body.get("instructions"), str):
+        parts.append(body["instructions"])
+    inp = body.get("input")
+    if isinstance(inp, list):
+        return prefix_blocks([*parts, *(_canonical(item) for item in inp)])
+    if isinstance(body.get("input_extra"), list):
+        parts.append(_canonical(body["input_extra"]))
+    for name in ("input", "input_prefix", "prompt"):
+        parts += _pieces(body.get(name))
+    return prefix_blocks(parts)
+
+
+def _pieces(value: object) -> list[str]:
+    """The complete pieces of a text (:data:`TEXT_BLOCK_CHARS`) or of a list of token
+    ids (:data:`TOKEN_BLOCK`); the unfinished tail is left out."""
+    if isinstance(value, str):
+        size, items = TEXT_BLOCK_CHARS, value
+        return [items[i : i + size] for i in range(0, len(items) - size + 1, size)]
+    if isinstance(value, list) and all(isinstance(t, int) for t in value):
+        size = TOKEN_BLOCK
+        return [
+            ",".join(map(str, value[i : i + size])) for i in range(0, len(value) - size + 1, size)
+        ]
+    return []
+
+
+def _canonical(value: object) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+class _NothingGenerated(EngineCrashed):
+    """The engine failed before a single event of the answer arrived."""
+
+
+class StallGuard:
+    """A stream job channel's sending end, with a stall timeout: a client that stops
+    reading for ``stall_s`` (the channel stays full) is treated as gone.
+
+    It passes on one head: a stream sent again after its engine died before any
+    event brings a second one, which is dropped when it is a 200 like the first (the
+    client goes on reading the same response) and is an error otherwise."""
+
+    __slots__ = ("_channel", "_head", "_stall_s", "events")
+
+    def __init__(self, channel: trio.MemorySendChannel[Item], stall_s: float):
+        self._channel = channel
+        self._stall_s = stall_s
+        self._head: UpstreamHead | None = None
+        self.events = 0
+        """Chunks of the answer handed on so far (0: the client has none of it)."""
+
+    async def send(self, value: UpstreamHead | bytes, /) -> None:
+        """Raises BrokenResourceError after ``stall_s`` without room in the channel,
+        EngineFailed for a second head that is not a 200."""
+        if isinstance(value, UpstreamHead):
+            if self._head is not None:
+                if value.status == 200 and self._head.status == 200:
+                    return
+                raise EngineFailed(f"the engine answered {value.status} when sent again")
+            self._head = value
+        with trio.move_on_after(self._stall_s):
+            await self._channel.send(value)
+            if not isinstance(value, UpstreamHead):
+                self.events += 1
+            return
+        raise trio.BrokenResourceError(f"the client read nothing for {self._stall_s:g}s")
+
+
+@dataclass(slots=True)
+class StreamJob:
+    """A streamed completion running in a task of the host's nursery.
+
+    ``recv`` yields the engine's head, then its raw chunks, then at most one
+    :class:`GezelError`; it ends when the job ends. ``grant``, ``runtime`` and
+    ``error`` say where it ran and how it failed (``grant`` is None until granted).
+    Cancelling ``scope`` (the client left, or never started reading) ends the job:
+    the slot, lease and upstream connection are released by its scope exits."""
+
+    recv: trio.MemoryReceiveChannel[Item]
+    scope: trio.CancelScope
+    runtime: ModelRuntime
+    session: str | None
+    grant: Grant | None = None
+    error: GezelError | None = None
+
+    def cancel(self) -> None:
+        """End the job (its channel too), whatever it is doing."""
+        self.scope.cancel()
+        self.recv.close()
+
+
+class SlotSource(Protocol):
+    """What the service needs of the :class:`~gezel_trio.host.Host` that owns it."""
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def tasks(self) -> trio.Nursery: ...
+
+    def completion_slot(
+        self, runtime: ModelRuntime, *, session: str | None, keyless: bool, prefix: Prefix
+    ) -> AbstractAsyncContextManager[tuple[ModelRuntime, Grant]]: ...
+
+    def resolve_model(
+        self, model_id: object, *, session: str | None = None, avoid: Collection[str] = ()
+    ) -> ModelRuntime: ...
+
+
+class CompletionService:
+    """Runs completions on the slots of ``host``'s engines (see the module docstring)."""
+
+    def __init__(self, host: SlotSource) -> None:
+        self._host = host
+
+    def __repr__(self) -> str:
+        return f"<CompletionService of {self._host!r}>"
+
+    @staticmethod
+    def check_limits(runtime: ModelRuntime, body: dict[str, Any]) -> None:
+        """Refuse (400) what the engine's slot cannot hold: token ids out of its
+        vocabulary, or more tokens to generate than a slot's context."""
+        runtime.check_token_ids(body.get("prompt"), "prompt")
+        ctx = runtime.config.ctx_per_slot
+        for name in ("max_tokens", "max_completion_tokens", "n_predict", "max_output_tokens"):
+            v = body.get(name)
+            if isinstance(v, int) and v > ctx:
+                raise FieldError(
+                    name,
+                    f"{v} is more than the model's context per slot ({ctx} tokens); "
+                    f"ask for at most {ctx}",
+                )
+
+    def _slot(
+        self, runtime: ModelRuntime, owner: Owner, prefix: Prefix
+    ) -> AbstractAsyncContextManager[tuple[ModelRuntime, Grant]]:
+        return self._host.completion_slot(
+            runtime, session=owner.session, keyless=owner.keyless, prefix=prefix
+        )
+
+    def _resend_to(self, failed: ModelRuntime, owner: Owner) -> ModelRuntime:
+        """Where a request goes again after ``failed``'s engine went away before
+        answering: another replica if one is left, else the same model (its engine
+        restarts)."""
+        if failed.config.replica_of is None:
+            return failed
+        return self._host.resolve_model(
+            failed.config.replica_of, session=owner.route_session, avoid={failed.id}
+        )
+
+    # ------------------------------------------------------------------ not streamed
+
+    async def complete(self, runtime: ModelRuntime, completion: Completion, owner: Owner) -> Answer:
+        """Run ``completion`` for ``owner`` and return the engine's whole answer.
+
+        It is streamed from the engine and assembled here, so a client that walks
+        away (the caller is cancelled) stops generation at once. When the engine dies
+        before it produced a single event of the answer (the request met a process
+        being killed), the request is sent again, once, to the restarted engine or
+        another replica: nothing of it reached the client, and nothing of it ran. So
+        is one abandoned on a hung external engine (it may have run there, but the
+        client has none of it). Cancellation exits the slot and closes the upstream
+        request."""
+        self.check_limits(runtime, completion.body)
+        prefix = prompt_blocks(completion.body)
+        for attempt in (1, 2):
+            try:
+                async with self._slot(runtime, owner, prefix) as (runtime, grant):
+                    result, first = await _assembled(runtime, completion, grant)
+                break
+            except (_NothingGenerated, EngineAbandoned):
+                # nothing of the answer reached the client: it may go elsewhere
+                if attempt == 2 or not await _engine_went_away(runtime, grant):
+                    raise
+                log.info(
+                    "the engine died before answering: sending the request again",
+                    extra={"fields": {"model": runtime.id, "session": session_hash(owner.session)}},
+                )
+                runtime = self._resend_to(runtime, owner)
+        return Answer(result, runtime, grant, first)
+
+    # ------------------------------------------------------------------ streamed
+
+    def start_stream(
+        self, runtime: ModelRuntime, completion: Completion, owner: Owner
+    ) -> StreamJob:
+        """Start ``completion`` for ``owner`` in a task of the host's nursery and return
+        its :class:`StreamJob`. The job holds its slot while it relays the engine's
+        stream into the job's channel; it ends (and the slot, lease and upstream
+        connection with it) when the stream ends, when the job is cancelled, or when
+        the reader stops taking chunks for ``stream_stall_timeout``. When the engine
+        dies before the reader got any of the answer's events, the request is sent
+        again, once: to another replica, else to the restarted engine. Raises (400) at
+        once when the completion is over the model's limits."""
+        self.check_limits(runtime, completion.body)
+        prefix = prompt_blocks(completion.body)
+        send, recv = trio.open_memory_channel[Item](32)
+        guarded = StallGuard(send, self._host.config.server.stream_stall_timeout)
+        job = StreamJob(recv, trio.CancelScope(), runtime, owner.session)
+
+        async def run() -> None:
+            async with send:
+                with job.scope:
+                    try:
+                        await self._stream_into(runtime, completion, owner, prefix, guarded, job)
+                    except GezelError as exc:
+                        job.error = exc
+                    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                        # the client went away mid-stream (or stopped reading)
+                        log.info(
+                            "client left mid-stream",
+                            extra={
+                                "fields": {
+                                    "model": runtime.id,
+                                    "session": session_hash(owner.session),
+                                    "why": str(exc) or "disconnected",
+                                }
+                            },
+                        )
+                    except Exception as exc:  # a bug: never leave the client hanging
+                        log.exception("stream job failed")
+                        job.error = EngineCrashed(f"internal error while relaying: {exc!r}")
+                    # Once granted, the head may already be in the channel: end with the
+                    # error (the reader also takes one that arrives before any head).
+                    if job.error is not None and job.grant is not None:
+                        with trio.move_on_after(1, shield=True):
+                            try:
+                                await send.send(job.error)
+                            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                                pass
+
+        self._host.tasks.start_soon(run)
+        return job
+
+    async def _stream_into(
+        self,
+        runtime: ModelRuntime,
+        completion: Completion,
+        owner: Owner,
+        prefix: Prefix,
+        guarded: StallGuard,
+        job: StreamJob,
+    ) -> None:
+        """Relay one stream into ``guarded``, holding its slot; ``job`` gets the grant
+        and the member it ran on. Sent again once when the engine went away before
+        ``guarded`` passed anything on. Raises the project's errors; cancellation exits
+        the slot and closes the upstream stream."""
+        for attempt in (1, 2):
+            job.grant = None
+            try:
+                async with self._slot(runtime, owner, prefix) as (member, grant):
+                    job.grant, job.runtime = grant, member
+                    await member.client.stream(
+                        completion.path,
+                        upstream_body(completion.body, grant),
+                        guarded,
+                        slot=grant.slot_id,
+                    )
+                return
+            except EngineCrashed:
+                granted = job.grant
+                member = job.runtime
+                if attempt == 2 or guarded.events or granted is None:
+                    raise
+                if not await _engine_went_away(member, granted):
+                    raise
+                log.info(
+                    "the engine died before answering: sending the stream again",
+                    extra={"fields": {"model": member.id, "session": session_hash(owner.session)}},
+                )
+                runtime = self._resend_to(member, owner)
+
+
+async def _engine_went_away(runtime: ModelRuntime, grant: Grant) -> bool:
+    """Whether the engine process that ``grant`` was prepared on is gone (it exited,
+    or a new one runs): waits up to a second for the supervisor to notice."""
+    engine = runtime.engine
+
+    def gone() -> bool:
+        return engine.generation != grant.generation or engine.base_url is None
+
+    if not gone():
+        with trio.move_on_after(1.0):
+            await engine.state.wait_value(lambda state: state is not EngineState.READY)
+    return gone() or engine.state.value is not EngineState.READY
+
+
+async def _assembled(
+    runtime: ModelRuntime, completion: Completion, grant: Grant
+) -> tuple[dict[str, Any] | EngineAnswer, float | None]:
+    """Send ``completion`` on ``grant``'s slot as a stream and assemble the non-streamed
+    answer, parsed once, with the time its first event came. An engine error before
+    the stream is relayed as it came; an error event amid it becomes that error's
+    status. Cancellation closes the stream, which stops the engine on its next write."""
+    streamed = {**upstream_body(completion.body, grant), "stream": True}
+    if completion.shape in ("chat", "text"):
+        streamed["stream_options"] = {"include_usage": True}
+    send, recv = trio.open_memory_channel[UpstreamHead | bytes](64)
+    assembler = StreamAssembler(completion.shape, keep_tokens=completion.keep_tokens)
+    decoder = SseDecoder()
+    head: UpstreamHead | None = None
+    raw: list[bytes] = []
+    first: float | None = None
+
+    async def produce() -> None:
+        async with send:
+            await runtime.client.stream(completion.path, streamed, send, slot=grant.slot_id)
+
+    events = 0
+    try:
+        async with unwrapping(), trio.open_nursery() as nursery:
+            nursery.start_soon(produce)
+            async with recv:
+                async for item in recv:
+                    if isinstance(item, UpstreamHead):
+                        head = item
+                    elif head is not None and head.status != 200:
+                        raw.append(item)
+                    else:
+                        for event in decoder.feed(item):
+                            if not events:
+                                first = time.perf_counter()
+                            events += 1
+                            assembler.feed(event)
+    except EngineCrashed as exc:
+        if events == 0 and not isinstance(exc, _NothingGenerated):
+            raise _NothingGenerated(exc.message) from exc
+        raise
+    if head is None:  # pragma: no cover - the producer raised, and that left the nursery
+        raise EngineCrashed("the engine closed the stream before answering")
+    if head.status != 200:
+        return EngineAnswer(head.status, head.content_type, b"".join(raw)), first
+    if assembler.error is not None:
+        error = assembler.error.get("error")
+        code = error.get("code") if isinstance(error, dict) else None
+        status = code if isinstance(code, int) and 400 <= code < 600 else 500
+        content = json.dumps(assembler.error, ensure_ascii=False, separators=(",", ":")).encode()
+        return EngineAnswer(status, "application/json; charset=utf-8", content), first
+    return assembler.result(), first
