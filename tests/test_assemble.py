@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import trio
 
-from gezel_trio.engine.assemble import SseDecoder, StreamAssembler
 from gezel_trio.config import ModelConfig
+from gezel_trio.engine.assemble import SseDecoder, StreamAssembler
 from gezel_trio.engine.binary import EngineBinary
 
 from ._engine_bin import ENGINE_LIMITS, open_llama_server
