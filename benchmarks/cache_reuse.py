@@ -10,7 +10,8 @@ binary, model and slots. Reports the share of prompt tokens served from the
 engine's cache (``cache_hit_ratio``) and the share an unlimited per-session
 cache would serve (``oracle``). Results land in benchmarks/results/cache-reuse/
 (``cache-reuse-keyless/`` with ``--keyless``: the same work sent with no session key,
-as most clients send it).
+as most clients send it; ``--keyless-mode MODE`` sets the host's ``[scheduler]
+keyless`` and adds ``-MODE`` to the folder).
 """
 
 from __future__ import annotations
@@ -68,8 +69,18 @@ def main() -> None:
     ap.add_argument("--growth", type=int, default=96, help="blocks added per turn")
     ap.add_argument("--block", type=int, default=4, help="tokens per block")
     ap.add_argument("--keyless", action="store_true", help="send no session key")
+    ap.add_argument(
+        "--keyless-mode",
+        choices=("shared", "conversation", "blind"),
+        default=None,
+        help="the host's [scheduler] keyless (default: its own default)",
+    )
     args = ap.parse_args()
     out = OUT.with_name(OUT.name + "-keyless") if args.keyless else OUT
+    env = dict(os.environ)
+    if args.keyless_mode is not None:
+        out = out.with_name(out.name + "-" + args.keyless_mode)
+        env["GEZEL_SCHEDULER_KEYLESS"] = args.keyless_mode  # read by the host it launches
     out.mkdir(parents=True, exist_ok=True)
     trace = out / "trace.jsonl"
     write_trace(
@@ -90,7 +101,7 @@ def main() -> None:
         *(["--keyless"] if args.keyless else []),
     ]  # fmt: skip
     print("+", " ".join(cmd), flush=True)
-    raise SystemExit(subprocess.call(cmd))
+    raise SystemExit(subprocess.call(cmd, env=env))
 
 
 if __name__ == "__main__":

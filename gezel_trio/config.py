@@ -114,7 +114,8 @@ class SchedulerConfig:
     keyless: KeylessMode = "shared"
     """Requests that name no session: ``shared``, one owner per caller (its prompt
     cache kept in its slots, erased before another owner uses them); ``blind``,
-    no owner (sent with ``cache_prompt`` off). ``conversation`` is not built yet."""
+    no owner (sent with ``cache_prompt`` off); ``conversation``, one owner per keyless
+    conversation, found by how it opens, and parked like a named chat."""
 
 
 @dataclass
@@ -464,12 +465,6 @@ def config_problems(
         cfg.scheduler.park_on_stop_timeout >= 0,
         "scheduler.park_on_stop_timeout",
         "expected seconds >= 0",
-    )
-    check(
-        cfg.scheduler.keyless != "conversation",
-        "scheduler.keyless",
-        "'conversation' (one owner per keyless conversation) is not available yet; use "
-        "'shared' (the default: one owner per caller) or 'blind'",
     )
     check(cfg.gpu.temp_margin_c >= 0, "gpu.temp_margin_c", "expected a number >= 0")
     indices = list(model_indices) if model_indices is not None else list(range(len(cfg.models)))

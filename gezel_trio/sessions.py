@@ -57,6 +57,7 @@ _CALLER = b"gezel-trio/caller/v1\x00key\x00"
 _LOCAL = b"gezel-trio/caller/v1\x00local"
 _SESSION = b"gezel-trio/session/v1\x00"
 _KEYLESS = b"gezel-trio/keyless/v1\x00"
+_CONVERSATION = b"gezel-trio/conversation/v1\x00"
 
 _ID = re.compile(r"[0-9a-f]{64}")
 
@@ -149,21 +150,37 @@ class SessionKeys:
             raise ValueError("caller must be an identity from SessionKeys.caller()")
         return self._mac(_KEYLESS + caller.encode("ascii"))
 
-    def owner(self, caller: str, name: str | None, *, keyless: KeylessMode) -> str | None:
+    def conversation(self, caller: str, opening: str) -> str:
+        """The owner of ``caller``'s keyless conversation that opens with ``opening``
+        (``[scheduler] keyless = "conversation"``): distinct from every named session,
+        every keyless owner and every other caller's. ``caller`` must come from
+        :meth:`caller`."""
+        if not is_session_id(caller):
+            raise ValueError("caller must be an identity from SessionKeys.caller()")
+        return self._mac(
+            _CONVERSATION
+            + caller.encode("ascii")
+            + b"\x00"
+            + opening.encode("utf-8", "surrogatepass")
+        )
+
+    def owner(
+        self, caller: str, name: str | None, *, keyless: KeylessMode, opening: str | None = None
+    ) -> str | None:
         """The owner of a request of ``caller`` that names the session ``name`` (None:
         none), for the scheduler's ``session``: :meth:`session` for a name; for a
-        keyless request, :meth:`keyless` in ``shared`` mode and None in ``blind``
-        mode (a blind job, sent with ``cache_prompt`` off). ``conversation`` is
-        refused by the config (ValueError here)."""
+        keyless request, :meth:`keyless` in ``shared`` mode, :meth:`conversation` of
+        its ``opening`` in ``conversation`` mode (:meth:`keyless` when it has none),
+        and None in ``blind`` mode (a blind job, sent with ``cache_prompt`` off)."""
         if name is not None:
             return self.session(caller, name)
-        if keyless == "shared":
+        if keyless == "conversation" and opening is not None:
+            return self.conversation(caller, opening)
+        if keyless in ("shared", "conversation"):
             return self.keyless(caller)
-        if keyless == "blind":
-            if not is_session_id(caller):
-                raise ValueError("caller must be an identity from SessionKeys.caller()")
-            return None
-        raise ValueError(f"keyless mode {keyless!r} is not available")
+        if not is_session_id(caller):
+            raise ValueError("caller must be an identity from SessionKeys.caller()")
+        return None
 
     def _mac(self, message: bytes) -> str:
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()

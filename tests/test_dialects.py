@@ -69,6 +69,7 @@ async def direct(runtime: ModelRuntime, path: str, body: dict[str, Any]) -> http
         return await engine.post(path, json=body)
 
 
+CHAT_ROUTE = "/v1/chat/completions"
 CHAT = {"messages": [{"role": "user", "content": "hello world"}], "max_tokens": 3}
 MESSAGES_BODY = {"max_tokens": 3, "messages": [{"role": "user", "content": "hello world"}]}
 INFILL = {  # llama.vscode's shape, with its hard-coded slot
@@ -517,3 +518,58 @@ async def test_audio_transcriptions_answer_as_the_engine_does(
     assert direct_.status_code == through.status_code == 501
     assert through.body == direct_.body
     assert no_file.status_code == 400 and no_file.json()["error"]["param"] == "file"
+
+
+@pytest.mark.parametrize("mode", ["shared", "conversation", "blind"])
+async def test_keyless_modes_over_http(
+    mode: str, tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    """Two keyless chats of one key taking turns on one slot, and a second key's chat
+    with the first's very prompt. What each reads from the cache, as the engine reports
+    it: never anything across keys; the same chat's earlier turn in ``shared`` mode only
+    while it holds the slot, in ``conversation`` mode even after the other chat took
+    the slot (its KV was parked), and never in ``blind`` mode."""
+    cfg = make_config(
+        [ModelConfig(id="tiny", path=str(tiny_model), parallel=1, ctx_per_slot=1024)],
+        state_dir=state_dir,
+        engine_binary=engine_binary,
+        server={"api_keys": [KEY, OTHER_KEY]},
+        scheduler={"keyless": mode},
+    )
+    system = {"role": "system", "content": "the model token hello world slot engine cache"}
+
+    def chat(opening: str, turns: int) -> list[dict[str, str]]:
+        out = [system, {"role": "user", "content": opening}]
+        for i in range(turns):
+            out += [
+                {"role": "assistant", "content": f"answer {i}"},
+                {"role": "user", "content": f"question {i}"},
+            ]
+        return out
+
+    async def cached(client: Any, messages: list[dict[str, str]], key: str = KEY) -> int:
+        r = await client.post(
+            CHAT_ROUTE,
+            json={"model": "tiny", "messages": messages, "max_tokens": 2},
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    with trio.fail_after(120):
+        async with running(cfg) as (_, client):
+            a1 = await cached(client, chat("prompt chat answer", 0))
+            a2 = await cached(client, chat("prompt chat answer", 1))  # A continues
+            b1 = await cached(client, chat("request server host", 0))  # B takes the slot
+            a3 = await cached(client, chat("prompt chat answer", 2))  # A comes back
+            other = await cached(client, chat("prompt chat answer", 2), OTHER_KEY)
+    assert a1 == 0 and other == 0  # nothing crosses keys, in every mode
+    if mode == "blind":
+        assert a2 == b1 == a3 == 0
+    else:
+        assert a2 > 0  # its own earlier turn, in its slot
+    if mode == "shared":
+        assert b1 > 0 and a3 > 0  # one owner: the shared system prompt stays in the slot
+    if mode == "conversation":
+        assert b1 == 0  # another conversation: the slot was parked and erased first
+        assert a3 > a2  # A's KV came back from its parked copy, with its second turn

@@ -65,8 +65,14 @@ def test_owner_picks_the_session_the_keyless_owner_or_none() -> None:
         assert KEYS.owner(ANN, "chat", keyless=mode) == KEYS.session(ANN, "chat")
     assert KEYS.owner(ANN, None, keyless="shared") == ANN_KEYLESS
     assert KEYS.owner(ANN, None, keyless="blind") is None
-    with pytest.raises(ValueError, match="not available"):
-        KEYS.owner(ANN, None, keyless="conversation")
+    # conversation: one owner per opening, per caller; none of them anyone else's
+    first = KEYS.owner(ANN, None, keyless="conversation", opening="[system, hello]")
+    assert first == KEYS.conversation(ANN, "[system, hello]")
+    other = KEYS.owner(ANN, None, keyless="conversation", opening="[system, bye]")
+    theirs = KEYS.owner(BEA, None, keyless="conversation", opening="[system, hello]")
+    assert len({first, other, theirs, ANN_KEYLESS, KEYS.session(ANN, "[system, hello]")}) == 5
+    # no opening to name it: the caller's keyless owner
+    assert KEYS.owner(ANN, None, keyless="conversation") == ANN_KEYLESS
     with pytest.raises(ValueError, match="caller"):
         KEYS.owner("key-ann", None, keyless="blind")
 
@@ -74,8 +80,8 @@ def test_owner_picks_the_session_the_keyless_owner_or_none() -> None:
 def test_the_keyless_setting() -> None:
     assert config_from_mapping({}).scheduler.keyless == "shared"
     assert config_from_mapping({"scheduler": {"keyless": "blind"}}).scheduler.keyless == "blind"
-    with pytest.raises(ConfigError, match=r"scheduler\.keyless: 'conversation' .* not available"):
-        config_from_mapping({"scheduler": {"keyless": "conversation"}})
+    conversation = config_from_mapping({"scheduler": {"keyless": "conversation"}})
+    assert conversation.scheduler.keyless == "conversation"
     with pytest.raises(ConfigError, match=r"scheduler\.keyless: expected one of"):
         config_from_mapping({"scheduler": {"keyless": "anyone"}})
     cfg = config_from_mapping({})

@@ -36,6 +36,7 @@ __all__ = [
     "SESSION_HEADERS",
     "Owner",
     "SessionNames",
+    "conversation_opening",
     "install_auth",
     "request_owner",
     "session_name",
@@ -225,16 +226,55 @@ def _claude_code_session(user_id: object) -> str | None:
 
 def request_owner(host: Host, body: Mapping[str, Any]) -> Owner:
     """The owner of this request's KV: the caller's chat that :func:`session_name`
-    names, else the caller's keyless owner as ``[scheduler] keyless`` says. Never
-    shared across callers."""
+    names, else as ``[scheduler] keyless`` says: the caller's keyless owner
+    (``shared``), the conversation its opening names (``conversation``, see
+    :func:`conversation_opening`), or none (``blind``). Never shared across callers."""
     name = session_name(body, request.headers)
     caller = request_caller()
-    session = host.sessions.owner(caller, name, keyless=host.config.scheduler.keyless)
+    mode = host.config.scheduler.keyless
+    opening = conversation_opening(body) if name is None and mode == "conversation" else None
+    session = host.sessions.owner(caller, name, keyless=mode, opening=opening)
     if session is not None and host.kv is not None:
         host.kv.note_caller(session, caller)  # whose parked KV it will be
     if session is not None and name is not None:
         session_names().note(session, name)
-    return Owner(session, keyless=name is None)
+    # a keyless conversation is parked and routed like a named chat
+    return Owner(session, keyless=name is None and opening is None)
+
+
+OPENING_CHARS = 256
+OPENING_TOKENS = 64
+
+
+def conversation_opening(body: Mapping[str, Any]) -> str | None:
+    """How a keyless conversation opens, which names it in ``keyless = "conversation"``
+    mode: a chat's system prompt and messages up to its first user message (every
+    later turn repeats them), a Responses request's instructions and first input
+    item, or the first 256 characters (64 tokens) of a prompt. None when the body has
+    none of these (the request goes to the caller's keyless owner)."""
+    messages = body.get("messages")
+    if isinstance(messages, list) and messages:
+        opening: list[Any] = [body.get("system")] if body.get("system") is not None else []
+        for message in messages:
+            opening.append(message)
+            if isinstance(message, Mapping) and message.get("role") == "user":
+                break
+        return _canonical(opening)
+    inp = body.get("input")
+    if isinstance(inp, list) and inp:
+        return _canonical([body.get("instructions"), inp[0]])
+    if isinstance(inp, str) and inp:
+        return _canonical([body.get("instructions"), inp])
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and prompt:
+        return _canonical(prompt[:OPENING_CHARS])
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return _canonical(prompt[:OPENING_TOKENS])
+    return None
+
+
+def _canonical(value: object) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 
 def session_names() -> SessionNames:
