@@ -154,7 +154,9 @@ async def open_served(
     Leaving the block (or ``shutdown_trigger`` returning) shuts down in order: stop
     accepting; let running requests finish for :func:`drain_timeout`; reset every
     client connection still open, stuck or not; then the host parks its sessions' KV and
-    stops every engine. Leaving it with an exception skips the wait for running requests.
+    stops every engine in what is left of ``[server] shutdown_timeout``
+    (:meth:`Host.bound_stop`: an engine that has not exited on SIGTERM in time is
+    killed). Leaving it with an exception skips the wait for running requests.
     Cancellation resets every connection at once, stops every engine and leaves as a
     :class:`trio.Cancelled`. Errors leave as themselves, never as an exception group; a
     port that cannot be bound is a :class:`ListenError`.
@@ -162,14 +164,45 @@ async def open_served(
     warning = exposure_warning(config)
     if warning:
         log.warning(warning)
-    async with unwrapping(), open_host(config, probe=probe) as host, trio.open_nursery() as nursery:
+    async with unwrapping(), open_host(config, probe=probe) as host:
+        began: list[float] = []  # when the shutdown began (the block was left)
+        try:
+            async with _serving(config, host, shutdown_trigger, began) as served:
+                yield served
+        finally:
+            # the front has closed: the engines' parking and stop get what is left
+            if began:
+                left = config.server.shutdown_timeout - (trio.current_time() - began[0])
+                host.bound_stop(max(0.0, left))
+
+
+@asynccontextmanager
+async def _serving(
+    config: Config,
+    host: Host,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None,
+    began: list[float],
+) -> AsyncIterator[Served]:
+    """The front of :func:`open_served` (its docstring says how it shuts down); appends
+    to ``began`` the time the shutdown began."""
+    async with trio.open_nursery() as nursery:
+
+        async def trigger() -> None:
+            if shutdown_trigger is not None:
+                await shutdown_trigger()
+            began.append(trio.current_time())
+
         app = create_app(host)
         front = FrontGuard(
             write_timeout=config.server.stream_stall_timeout,
             drain_timeout=drain_timeout(config),
         )
         serve = partial(
-            serve_front, app, hypercorn_config(config), front, shutdown_trigger=shutdown_trigger
+            serve_front,
+            app,
+            hypercorn_config(config),
+            front,
+            shutdown_trigger=trigger if shutdown_trigger is not None else None,
         )
         try:
             binds: list[str] = await nursery.start(serve)
@@ -183,9 +216,11 @@ async def open_served(
         try:
             yield Served(host=host, urls=binds, front=front)
         except BaseException:
+            began.append(trio.current_time())
             front.stop(drain_timeout=0)
             raise
         else:
+            began.append(trio.current_time())
             front.stop()  # the nursery waits for the front to drain and close
 
 

@@ -28,7 +28,7 @@ from gezel_trio.engine.demo_model import write_demo_reranker
 from gezel_trio.host import ModelRuntime
 
 from .conftest import make_config, running
-from .fault_tools import wait_nothing_held, wait_until
+from .fault_tools import slots_busy, wait_nothing_held, wait_until
 
 KEY = "sk-dialects-1"
 OTHER_KEY = "sk-dialects-2"
@@ -573,3 +573,54 @@ async def test_keyless_modes_over_http(
     if mode == "conversation":
         assert b1 == 0  # another conversation: the slot was parked and erased first
         assert a3 > a2  # A's KV came back from its parked copy, with its second turn
+
+
+LONG = "the cache prompt chat"  # greedy on this prompt, the demo model never stops early
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/v1/messages", {"max_tokens": 1000, "temperature": 0, "stream": True}),
+        ("/v1/messages", {"max_tokens": 1000, "temperature": 0, "stream": False}),
+        ("/v1/responses", {"max_output_tokens": 1000, "temperature": 0, "stream": True}),
+        ("/v1/responses", {"max_output_tokens": 1000, "temperature": 0, "stream": False}),
+    ],
+)
+async def test_a_client_that_walks_away_stops_generation_within_a_second(
+    route: str,
+    body: dict[str, Any],
+    tiny_model: Path,
+    state_dir: Path,
+    engine_binary: EngineBinary,
+) -> None:
+    """A long answer on the translated (Anthropic) and forwarded (Responses) routes,
+    streamed or not: the client leaves once the engine is generating, and the engine's
+    own ``/slots`` shows the slot idle within 1 s, with nothing held by the host."""
+    prompt = (
+        {"messages": [{"role": "user", "content": LONG}]} if route == "/v1/messages"
+        else {"input": [{"role": "user", "content": LONG}]}
+    )  # fmt: skip
+    with trio.fail_after(120):
+        async with running(_cfg(tiny_model, state_dir, engine_binary)) as (host, client):
+            assert (await client.post("/api/models/tiny/load", headers=AUTH)).status_code == 200
+            base_url = host.models["tiny"].engine.base_url
+            assert base_url is not None
+
+            async def ask() -> None:
+                await client.post(route, json={**prompt, **body, "model": "tiny"}, headers=AUTH)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask)
+                await wait_until(lambda: _busy(base_url), within=20, what="the engine generating")
+                nursery.cancel_scope.cancel()  # the client walks away
+            await wait_until(lambda: _idle(base_url), within=1.0, what="the slot idle")
+            await wait_nothing_held(host)
+
+
+async def _busy(base_url: str) -> bool:
+    return bool(await slots_busy(base_url))
+
+
+async def _idle(base_url: str) -> bool:
+    return not await slots_busy(base_url)

@@ -571,3 +571,35 @@ async def test_the_hostile_connections_benchmark_runs_and_its_figures_hold(
     assert r["shutdown_s"] <= s["shutdown_timeout"]
     assert r["reset_at_shutdown"] >= 2  # the stuck reader and half a body
     assert r["idle"]["held_during"] >= r["idle"]["idle_connections"]
+
+
+async def test_an_engine_that_hangs_at_shutdown_is_killed_within_shutdown_timeout(
+    state_dir: Path, tiny_model: Path, engine_binary: EngineBinary
+) -> None:
+    """A keyed chat's KV to park and an engine that answers nothing and ignores SIGTERM
+    (SIGSTOPped): parking is cut and the engine killed within what is left of
+    ``shutdown_timeout``, although ``stop_grace`` and ``park_on_stop_timeout`` (10 s
+    each by default) are longer."""
+    cfg = _cfg(state_dir, tiny_model=tiny_model, engine_binary=engine_binary, shutdown_timeout=3.0)
+    assert cfg.engine.stop_grace > 3 and cfg.scheduler.park_on_stop_timeout > 3
+    pid = None
+    try:
+        with trio.fail_after(60):
+            async with _served(cfg) as (served, client):
+                chat = {
+                    "model": "tiny",
+                    "messages": [{"role": "user", "content": "hello world"}],
+                    "max_tokens": 2,
+                    "prompt_cache_key": "to-park",
+                }
+                assert (await client.post("/v1/chat/completions", json=chat)).status_code == 200
+                pid = served.host.models["tiny"].engine.pid
+                assert pid is not None
+                os.kill(pid, signal.SIGSTOP)
+                began = trio.current_time()
+            took = trio.current_time() - began
+        assert took <= cfg.server.shutdown_timeout + 1.0, took
+        assert pids_alive([pid]) == []
+    finally:
+        if pid is not None and pids_alive([pid]):
+            os.kill(pid, signal.SIGKILL)

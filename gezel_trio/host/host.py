@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Collection
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -440,6 +441,22 @@ class Host:
     def build_fingerprint(self) -> str:
         facts = self.resolver.facts
         return facts.fingerprint if facts else "unknown-build"
+
+    def bound_stop(self, seconds: float) -> None:
+        """Make every engine's planned stop, parking included, end within ``seconds``
+        from now (the rest of ``[server] shutdown_timeout`` once the front has closed):
+        parking gets what is left after a quarter kept for SIGTERM (at most its
+        ``park_on_stop_timeout``), then an engine that has not exited on SIGTERM within
+        that quarter (at most its ``stop_grace``) is killed. Never lengthens either."""
+        grace = max(0.2, seconds / 4)
+        park = max(0.2, seconds - grace - 0.2)
+        for runtime in self.models.values():
+            timing = runtime.engine.timing
+            runtime.engine.timing = replace(
+                timing,
+                stop_grace=min(timing.stop_grace, grace),
+                park_grace=min(timing.park_grace, park),
+            )
 
     async def park_before_stop(self, runtime: ModelRuntime) -> None:
         """Save every session's KV that ``runtime``'s engine holds and that is not parked
