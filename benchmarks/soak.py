@@ -54,7 +54,9 @@ Figures (printed, and written to ``--out``):
 - ``duplicated``: more than one answer for one request id (two engine answer ids in one
   response, more than one finish, a second ``[DONE]``, more tokens than ``max_tokens``),
   one engine answer id delivered to two requests, plus ``upstream_excess``: completions
-  the host forwarded beyond the requests it was sent (``upstream_calls`` in status);
+  the host forwarded beyond the requests it was sent (``upstream_calls`` in status), less
+  those it sent again because their engine died before answering (``completions.resent``
+  in status: by design, nothing of the first reached a client);
 - ``contaminated``: a completed answer that differs from the reference and is explained
   neither by the reference alone nor in company (``batch_variant``) nor by a near tie
   (``near_tie``), both reported beside it;
@@ -202,6 +204,7 @@ class SoakReport:
     duplicated_answers: int = 0
     upstream_completions: int | None = None
     upstream_excess: int = 0
+    resent: int = 0
     contaminated: int = 0
     near_tie: int = 0
     batch_variant: int = 0
@@ -315,7 +318,8 @@ class SoakReport:
                 f"{self.ref_unstable} reference-unstable, "
                 f"{self.unverified} unverified; {self.duplicated} duplicated "
                 f"({self.duplicated_answers} in answers, upstream excess "
-                f"{self.upstream_excess} of {self.upstream_completions} forwarded)",
+                f"{self.upstream_excess} of {self.upstream_completions} forwarded, "
+                f"{self.resent} resent after their engine died)",
                 f"  faults: {fc.get('kill', 0)} kill, {fc.get('stop', 0)} stop, "
                 f"{fc.get('hang', 0)} hang ({self.faults_skipped} skipped); engines: "
                 f"{self.engine_starts} starts, {self.engine_crashes} crashes (restarts), "
@@ -1237,7 +1241,10 @@ class Soak:
                 for p in COMPLETION_PATHS
             )
             rep.upstream_completions = forwarded
-            rep.upstream_excess = max(0, forwarded - rep.requests)
+            # a completion sent again because its engine died before answering is one
+            # more upstream call by design (the host counts them): only the rest is excess
+            rep.resent = int((final.get("completions") or {}).get("resent") or 0)
+            rep.upstream_excess = max(0, forwarded - rep.resent - rep.requests)
         else:
             rep.host_alive = False
         rep.duplicated = rep.duplicated_answers + rep.upstream_excess

@@ -244,6 +244,9 @@ async def test_a_request_the_engine_died_before_answering_is_sent_again(
                 assert resp.json()["tokens_predicted"] == 4, resp.text
             assert engine.starts == 2 and engine.pid != pid  # on the restarted engine
             await wait_nothing_held(host)
+            # counted, so a soak can tell a resend from a duplicate
+            status = (await client.get("/api/status")).json()
+            assert status["completions"]["resent"] == 1
 
 
 async def _one_busy(base_url: str) -> bool:

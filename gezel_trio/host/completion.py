@@ -48,6 +48,7 @@ __all__ = [
     "Answer",
     "Completion",
     "CompletionService",
+    "CompletionStats",
     "EngineAnswer",
     "Item",
     "Owner",
@@ -247,11 +248,27 @@ class SlotSource(Protocol):
     ) -> ModelRuntime: ...
 
 
+@dataclass(frozen=True, slots=True)
+class CompletionStats:
+    """What the service has done. ``resent``: completions sent again because their
+    engine went away before any of the answer reached the client (each is one more
+    upstream completion than requests, by design)."""
+
+    resent: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {"resent": self.resent}
+
+
 class CompletionService:
     """Runs completions on the slots of ``host``'s engines (see the module docstring)."""
 
     def __init__(self, host: SlotSource) -> None:
         self._host = host
+        self._resent = 0
+
+    def statistics(self) -> CompletionStats:
+        return CompletionStats(resent=self._resent)
 
     def __repr__(self) -> str:
         return f"<CompletionService of {self._host!r}>"
@@ -316,6 +333,7 @@ class CompletionService:
                     "the engine died before answering: sending the request again",
                     extra={"fields": {"model": runtime.id, "session": session_hash(owner.session)}},
                 )
+                self._resent += 1
                 runtime = self._resend_to(runtime, owner)
         return Answer(result, runtime, grant, first)
 
@@ -408,6 +426,7 @@ class CompletionService:
                     "the engine died before answering: sending the stream again",
                     extra={"fields": {"model": member.id, "session": session_hash(owner.session)}},
                 )
+                self._resent += 1
                 runtime = self._resend_to(member, owner)
 
 

@@ -415,6 +415,7 @@ class Host:
             "engine_binary": self.resolver.status(),
             "engines": [rt.statistics().as_dict() for rt in self.models.values()],
             "scheduler": self.scheduler.statistics().as_dict() if self.scheduler else None,
+            "completions": self.completions.statistics().as_dict(),
             "arbiter": self.arbiter.statistics().as_dict(),
             "health_gate": self.health_gate.statistics().as_dict(),
             "gpu": self.last_device_health,
