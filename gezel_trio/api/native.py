@@ -39,7 +39,7 @@ from ..host import Host
 from ..host.completion import Completion
 from .auth import request_owner
 from .metrics_endpoint import resolve_model
-from .relay import PassThrough, proxy_completion, rename_for, slot_free_call
+from .relay import PassThrough, proxy_completion, rename_for, slot_free_call, whole_engine_call
 from .validation import check_completion_body, check_infill_body, read_json_object
 
 bp = Blueprint("native", __name__)
@@ -301,11 +301,4 @@ async def rerank() -> Response:
             f"the model {runtime.id!r} does not rerank "
             "(set reranking = true in the [[models]] entry of a reranker)",
         )
-    upstream = {k: v for k, v in body.items() if k != "id_slot"}
-    async with host.slot(runtime, any_slot=True):
-        result = await runtime.client.forward("POST", request.path, body=upstream)
-    return Response(
-        rename_for(body, runtime).body(result.content),
-        status=result.head.status,
-        content_type=result.head.content_type,
-    )
+    return await whole_engine_call(host, runtime, request.path, body)

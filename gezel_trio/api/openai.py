@@ -23,7 +23,7 @@ from ..host.completion import Completion
 from .auth import request_owner
 from .errors import json_response
 from .metrics_endpoint import resolve_model
-from .relay import PassThrough, proxy_completion, rename_for
+from .relay import PassThrough, proxy_completion, rename_for, whole_engine_call
 from .validation import check_completion_body, read_json_object
 
 bp = Blueprint("openai", __name__)
@@ -121,14 +121,7 @@ async def embeddings() -> Response:
             f"the model {runtime.id!r} does not serve embeddings "
             "(set embeddings = true in its [[models]] entry)",
         )
-    upstream = {k: v for k, v in body.items() if k != "id_slot"}
-    async with host.slot(runtime, any_slot=True):
-        result = await runtime.client.forward("POST", request.path, body=upstream)
-    return Response(
-        rename_for(body, runtime).body(result.content),
-        status=result.head.status,
-        content_type=result.head.content_type,
-    )
+    return await whole_engine_call(host, runtime, request.path, body)
 
 
 @bp.post("/v1/audio/transcriptions")

@@ -198,6 +198,24 @@ def _learn_model_field(chunk: bytes) -> bytes | None:
     return None
 
 
+async def whole_engine_call(
+    host: Host, runtime: ModelRuntime, path: str, body: dict[str, Any]
+) -> Response:
+    """Forward a request that the engine spreads over slots of its own choosing (it
+    reads no ``id_slot``: embeddings, rerank), holding every slot of the engine, which
+    are left unknown (erased before a chat uses one): no chat's KV is read or left
+    behind. The answer is the engine's, its ``model`` renamed to what the client sent.
+    Cancellation closes the upstream request and releases the slots."""
+    upstream = {k: v for k, v in body.items() if k != "id_slot"}
+    async with host.slot(runtime, any_slot=True):
+        result = await runtime.client.forward("POST", path, body=upstream)
+    return Response(
+        rename_for(body, runtime).body(result.content),
+        status=result.head.status,
+        content_type=result.head.content_type,
+    )
+
+
 async def slot_free_call(
     host: Host,
     runtime: ModelRuntime,
