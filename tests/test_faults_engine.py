@@ -249,6 +249,18 @@ async def test_a_request_the_engine_died_before_answering_is_sent_again(
             assert status["completions"]["resent"] == 1
 
 
+async def _decoding(base_url: str) -> bool:
+    """The engine's busy slot has generated tokens (its own ``/slots``)."""
+    async with httpx.AsyncClient(timeout=2.0) as direct:
+        rows = (await direct.get(base_url + "/slots")).json()
+    for row in rows:
+        nxt = row.get("next_token")
+        decoded = [t.get("n_decoded", 0) for t in (nxt if isinstance(nxt, list) else [nxt or {}])]
+        if row.get("is_processing") and max(decoded, default=0) >= 8:
+            return True
+    return False
+
+
 async def _one_busy(base_url: str) -> bool:
     return len(await slots_busy(base_url)) == 1
 
@@ -354,6 +366,11 @@ async def test_hung_engine_is_noticed_and_restarted(
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(in_flight)
                     await wait_until(lambda: _running(host) == 1, within=10, what="running")
+                    base_url = engine.base_url
+                    assert base_url is not None
+                    await wait_until(
+                        lambda: _decoding(base_url), within=10, what="tokens generated"
+                    )
                     os.kill(pid, signal.SIGSTOP)
                     t0 = trio.current_time()
                     await engine.state.wait_value(EngineState.FAILED)
@@ -362,12 +379,19 @@ async def test_hung_engine_is_noticed_and_restarted(
                 assert noticed <= 4.0, noticed
                 assert "/health" in (engine.last_crash or ""), engine.last_crash
                 resp = result["resp"]
-                assert resp.status_code in (502, 503, 504), resp.text
-                assert resp.json()["error"]["code"] in (
-                    "engine_crashed",
-                    "engine_timeout",
-                    "engine_failed",
-                )
+                if host.completions.statistics().resent:
+                    # On a starved machine the host may not have read a single event
+                    # before the stop: then nothing of the answer reached anyone, and it
+                    # is sent again, by design, once, to the restarted engine.
+                    assert host.completions.statistics().resent == 1
+                    assert resp.status_code == 200, resp.text
+                else:
+                    assert resp.status_code in (502, 503, 504), resp.text
+                    assert resp.json()["error"]["code"] in (
+                        "engine_crashed",
+                        "engine_timeout",
+                        "engine_failed",
+                    )
                 await wait_until(lambda: not pids_alive([pid or -1]), within=5, what="old pid gone")
                 eng = _engine_status(await _status(client), "tiny")
                 assert eng["crashes"] == 1 and "/health" in eng["last_crash"], eng
