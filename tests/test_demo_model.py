@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
 from pathlib import Path
@@ -24,16 +23,7 @@ from gezel_trio.engine.demo_model import (
 )
 
 from ._engine_bin import ENGINE_LIMITS, open_llama_server
-
-
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _field(reader: GGUFReader, key: str) -> Any:
-    f = reader.get_field(key)
-    assert f is not None, key
-    return f.contents()
+from .gguf_tools import gguf_field, sha256_of
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +34,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_same_arguments_give_identical_bytes(tmp_path: Path, tiny: Path) -> None:
     again = write_demo_model(tmp_path / "again.gguf", size="tiny")
     other_seed = write_demo_model(tmp_path / "seed1.gguf", size="tiny", seed=1)
-    assert _sha(again) == _sha(tiny)
-    assert _sha(other_seed) != _sha(tiny)
+    assert sha256_of(again) == sha256_of(tiny)
+    assert sha256_of(other_seed) != sha256_of(tiny)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again.gguf", "seed1.gguf"]
 
 
@@ -53,15 +43,15 @@ def test_same_arguments_give_identical_bytes(tmp_path: Path, tiny: Path) -> None
 def test_recurrent_archs_are_deterministic_and_tiny_only(tmp_path: Path, arch: str) -> None:
     a = write_demo_model(tmp_path / "a.gguf", size="tiny", arch=arch)  # type: ignore[arg-type]
     b = write_demo_model(tmp_path / "b.gguf", size="tiny", arch=arch)  # type: ignore[arg-type]
-    assert _sha(a) == _sha(b)
+    assert sha256_of(a) == sha256_of(b)
     reader = GGUFReader(a)
-    assert _field(reader, "general.architecture") == arch
-    assert _field(reader, f"{arch}.ssm.state_size") > 0
+    assert gguf_field(reader, "general.architecture") == arch
+    assert gguf_field(reader, f"{arch}.ssm.state_size") > 0
     out = next(t for t in reader.tensors if t.name == "output.weight")
     rows = np.asarray(out.data, dtype=np.float32).reshape(-1, out.data.shape[-1])
     assert not rows[list(HIGH_BYTE_TOKEN_IDS)].any()
     assert not rows[list(FIM_TOKEN_IDS.values())].any()
-    assert _field(reader, "tokenizer.ggml.fim_mid_token_id") == FIM_TOKEN_IDS["mid"]
+    assert gguf_field(reader, "tokenizer.ggml.fim_mid_token_id") == FIM_TOKEN_IDS["mid"]
     with pytest.raises(ValueError, match="tiny"):
         write_demo_model(tmp_path / "c.gguf", size="small", arch=arch)  # type: ignore[arg-type]
 
@@ -71,29 +61,29 @@ def test_sizes(tmp_path: Path, tiny: Path) -> None:
     small = write_demo_model(tmp_path / "small.gguf", size="small")
     assert 40_000_000 < small.stat().st_size < 60_000_000
     reader = GGUFReader(small)
-    assert _field(reader, "llama.context_length") >= 8192
-    assert _field(GGUFReader(tiny), "llama.context_length") >= 4096
+    assert gguf_field(reader, "llama.context_length") >= 8192
+    assert gguf_field(GGUFReader(tiny), "llama.context_length") >= 4096
 
 
 def test_vocab_is_spm_with_all_byte_tokens(tiny: Path) -> None:
     reader = GGUFReader(tiny)
-    assert _field(reader, "general.architecture") == "llama"
-    assert _field(reader, "tokenizer.ggml.model") == "llama"
-    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
-    types: list[int] = _field(reader, "tokenizer.ggml.token_type")
+    assert gguf_field(reader, "general.architecture") == "llama"
+    assert gguf_field(reader, "tokenizer.ggml.model") == "llama"
+    tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens")
+    types: list[int] = gguf_field(reader, "tokenizer.ggml.token_type")
     index = {t: i for i, t in enumerate(tokens)}
     assert len(index) == len(tokens), "token strings must be unique"
     for b in range(256):
         assert types[index[f"<0x{b:02X}>"]] == TokenType.BYTE
     assert "<0x0A>" in index
-    assert tokens[_field(reader, "tokenizer.ggml.bos_token_id")] == "<s>"
-    assert tokens[_field(reader, "tokenizer.ggml.eos_token_id")] == "</s>"
-    assert tokens[_field(reader, "tokenizer.ggml.unknown_token_id")] == "<unk>"
-    assert _field(reader, "tokenizer.ggml.add_bos_token") is True
+    assert tokens[gguf_field(reader, "tokenizer.ggml.bos_token_id")] == "<s>"
+    assert tokens[gguf_field(reader, "tokenizer.ggml.eos_token_id")] == "</s>"
+    assert tokens[gguf_field(reader, "tokenizer.ggml.unknown_token_id")] == "<unk>"
+    assert gguf_field(reader, "tokenizer.ggml.add_bos_token") is True
     assert "\u2581the" in index and "a" in index and "7" in index
     normal = sum(1 for t in types if t == TokenType.NORMAL)
     assert normal > 200
-    assert "add_generation_prompt" in _field(reader, "tokenizer.chat_template")
+    assert "add_generation_prompt" in gguf_field(reader, "tokenizer.chat_template")
 
 
 def test_fim_tokens_are_control_tokens_named_by_the_gguf_keys(tiny: Path) -> None:
@@ -101,15 +91,15 @@ def test_fim_tokens_are_control_tokens_named_by_the_gguf_keys(tiny: Path) -> Non
     through ``tokenizer.ggml.fim_*_token_id`` (llama-vocab.cpp), and lays ``input_extra``
     out with the repo and file-separator tokens."""
     reader = GGUFReader(tiny)
-    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
-    types: list[int] = _field(reader, "tokenizer.ggml.token_type")
+    tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens")
+    types: list[int] = gguf_field(reader, "tokenizer.ggml.token_type")
     assert set(FIM_TOKENS) == {"pre", "suf", "mid", "pad", "rep", "sep"}
     # The key names are gguf's own (where this gguf release has them).
     tokenizer_keys = gguf.Keys.Tokenizer
     for role, token in FIM_TOKENS.items():
         key = f"tokenizer.ggml.fim_{role}_token_id"
         assert getattr(tokenizer_keys, f"FIM_{role.upper()}_ID", key) == key
-        token_id = _field(reader, key)
+        token_id = gguf_field(reader, key)
         assert token_id == FIM_TOKEN_IDS[role]
         assert tokens[token_id] == token
         assert types[token_id] == TokenType.CONTROL
@@ -123,7 +113,7 @@ def test_fim_tokens_are_control_tokens_named_by_the_gguf_keys(tiny: Path) -> Non
 
 def test_high_byte_output_rows_are_zero_and_others_spiky(tiny: Path) -> None:
     reader = GGUFReader(tiny)
-    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
+    tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens")
     out = next(t for t in reader.tensors if t.name == "output.weight")
     rows = np.asarray(out.data, dtype=np.float32).reshape(len(tokens), -1)
     high = [tokens.index(f"<0x{b:02X}>") for b in range(0x80, 0x100)]
@@ -147,7 +137,7 @@ def test_demo_model_path_generates_once_into_xdg_cache(
     path = demo_model_path("tiny")
     assert path.parent == tmp_path / "xdg" / "gezel-trio" / "models"
     assert "tiny" in path.name and f"v{DEMO_MODEL_FORMAT_VERSION}" in path.name
-    assert _sha(path) == _sha(write_demo_model(tmp_path / "ref.gguf", size="tiny"))
+    assert sha256_of(path) == sha256_of(write_demo_model(tmp_path / "ref.gguf", size="tiny"))
 
     def boom(*args: object, **kwargs: object) -> Path:
         raise AssertionError("regenerated an existing model")
@@ -176,7 +166,7 @@ def test_racing_writers_leave_one_complete_file(tmp_path: Path, tiny: Path) -> N
     for t in threads:
         t.join()
     assert errors == []
-    assert _sha(target) == _sha(tiny)
+    assert sha256_of(target) == sha256_of(tiny)
     assert [p.name for p in tmp_path.iterdir()] == ["race.gguf"]
 
 

@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
@@ -26,16 +24,7 @@ from gezel_trio.engine.demo_model import (
 )
 
 from ._engine_bin import ENGINE_LIMITS, open_llama_server
-
-
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def _field(reader: GGUFReader, key: str) -> Any:
-    f = reader.get_field(key)
-    assert f is not None, key
-    return f.contents()
+from .gguf_tools import gguf_field, sha256_of
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +35,8 @@ def reranker(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_reranker_is_deterministic_and_small(tmp_path: Path, reranker: Path) -> None:
     again = write_demo_reranker(tmp_path / "again.gguf")
     other = write_demo_reranker(tmp_path / "seed1.gguf", seed=1)
-    assert _sha(again) == _sha(reranker)
-    assert _sha(other) != _sha(reranker)
+    assert sha256_of(again) == sha256_of(reranker)
+    assert sha256_of(other) != sha256_of(reranker)
     assert reranker.stat().st_size < 1_000_000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again.gguf", "seed1.gguf"]
 
@@ -57,22 +46,22 @@ def test_reranker_has_what_llama_cpp_rank_pooling_reads(reranker: Path) -> None:
     classifier labels) and, under rank pooling, pools the last token and takes a softmax
     over the labels (llama-graph.cpp); the server reads the ``rerank`` chat template."""
     reader = GGUFReader(reranker)
-    assert _field(reader, "general.architecture") == "qwen3"
-    assert _field(reader, "qwen3.pooling_type") == PoolingType.RANK
-    assert _field(reader, "qwen3.classifier.output_labels") == list(RERANK_LABELS)
-    template = _field(reader, "tokenizer.chat_template.rerank")
+    assert gguf_field(reader, "general.architecture") == "qwen3"
+    assert gguf_field(reader, "qwen3.pooling_type") == PoolingType.RANK
+    assert gguf_field(reader, "qwen3.classifier.output_labels") == list(RERANK_LABELS)
+    template = gguf_field(reader, "tokenizer.chat_template.rerank")
     assert template == RERANK_TEMPLATE and "{query}" in template and "{document}" in template
-    assert _field(reader, "tokenizer.chat_templates") == ["rerank"]
-    assert "add_generation_prompt" in _field(reader, "tokenizer.chat_template")
+    assert gguf_field(reader, "tokenizer.chat_templates") == ["rerank"]
+    assert "add_generation_prompt" in gguf_field(reader, "tokenizer.chat_template")
     tensors = {t.name: t for t in reader.tensors}
-    n_embd = _field(reader, "qwen3.embedding_length")
+    n_embd = gguf_field(reader, "qwen3.embedding_length")
     cls = tensors["cls.output.weight"]
     assert cls.shape.tolist() == [n_embd, len(RERANK_LABELS)]
-    for i in range(_field(reader, "qwen3.block_count")):
+    for i in range(gguf_field(reader, "qwen3.block_count")):
         assert f"blk.{i}.attn_q_norm.weight" in tensors
         assert f"blk.{i}.attn_k_norm.weight" in tensors
     # Generation stays as safe as the demo model's: no lone high byte, no FIM token.
-    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
+    tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens")
     out = tensors["output.weight"]
     rows = np.asarray(out.data, dtype=np.float32).reshape(len(tokens), -1)
     assert not rows[list(HIGH_BYTE_TOKEN_IDS)].any()
@@ -85,7 +74,7 @@ def test_demo_reranker_path_generates_once(
     path = demo_reranker_path(cache_dir=tmp_path)
     assert path.parent == tmp_path
     assert "reranker" in path.name and f"v{DEMO_MODEL_FORMAT_VERSION}" in path.name
-    assert _sha(path) == _sha(reranker)
+    assert sha256_of(path) == sha256_of(reranker)
 
     def boom(*args: object, **kwargs: object) -> Path:
         raise AssertionError("regenerated an existing reranker")
