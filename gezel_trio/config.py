@@ -110,6 +110,11 @@ class SchedulerConfig:
     evicted beyond). None: a quarter of the state dir's free space, at most 32 GiB."""
     park_on_stop_timeout: float = 10.0
     """Seconds a planned engine stop may spend saving its slots before SIGTERM."""
+    save_idle_slots: bool = True
+    """With ``kv_parking``: save an owner's slot in the background once its request has
+    ended and the slot stayed idle ``save_idle_delay`` seconds, so that the next
+    handoff of that slot skips the save (restore and request: 2 upstream calls)."""
+    save_idle_delay: float = 0.0
     lock_model: bool = False
     keyless: KeylessMode = "shared"
     """Requests that name no session: ``shared``, one owner per caller (its prompt
@@ -464,6 +469,11 @@ def config_problems(
     check(
         cfg.scheduler.park_on_stop_timeout >= 0,
         "scheduler.park_on_stop_timeout",
+        "expected seconds >= 0",
+    )
+    check(
+        cfg.scheduler.save_idle_delay >= 0,
+        "scheduler.save_idle_delay",
         "expected seconds >= 0",
     )
     check(cfg.gpu.temp_margin_c >= 0, "gpu.temp_margin_c", "expected a number >= 0")

@@ -7,6 +7,16 @@ model's slot-save directory; this module keeps their index, in SQLite in the
 state dir (``kv.sqlite``), so that what was parked outlives the engine process
 that saved it, and the host process too.
 
+An owner (a named session, a caller's keyless owner, a keyless conversation) may
+hold several conversations at once: an agent and its sub-agents under one
+session id, or a caller's keyless chats. Each parked *copy* records the prefix
+blocks of what it holds (:mod:`gezel_trio.scheduler.prefix`), and
+:meth:`KvStore.find` picks the owner's copy that shares the longest prefix with
+a request. A new save replaces the owner's copies it continues (their blocks are
+a prefix of its own), so one conversation keeps one copy; an owner keeps at most
+:attr:`KvStore.MAX_COPIES` per model. A copy is only ever found for its exact
+owner: KV never crosses owners.
+
 An entry records what decides whether its file may be loaded again
 (:class:`KvCompat`: the model file, the engine build and the KV-shaping engine
 flags) and its token count; :meth:`KvStore.find` drops an entry whose
@@ -39,6 +49,7 @@ import os
 import re
 import shutil
 import sqlite3
+import struct
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -46,6 +57,7 @@ from pathlib import Path
 
 import trio
 
+from .scheduler.prefix import Prefix, is_prefix, shared_blocks
 from .sessions import session_hash
 
 __all__ = [
@@ -68,7 +80,7 @@ DEFAULT_BUDGET_CAP = 32 * 1024**3
 """The default budget is a quarter of the state dir's free space, at most this."""
 
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS kv (
+CREATE TABLE IF NOT EXISTS parked (
     model TEXT NOT NULL,
     session TEXT NOT NULL,
     caller TEXT,
@@ -78,9 +90,26 @@ CREATE TABLE IF NOT EXISTS kv (
     bytes INTEGER NOT NULL,
     saved_at REAL NOT NULL,
     used_at REAL NOT NULL,
-    PRIMARY KEY (model, session)
+    blocks BLOB NOT NULL DEFAULT x'',
+    PRIMARY KEY (model, file)
 )
 """
+_LEGACY_TABLE = "kv"
+"""The index of the stores that kept one copy per session (blocks unknown): read once
+into :data:`_SCHEMA`'s table, then dropped."""
+_COLUMNS = "model, session, caller, file, compat, tokens, bytes, saved_at, used_at, blocks"
+
+
+def pack_blocks(blocks: Prefix) -> bytes:
+    """``blocks`` as stored in SQLite: 8 little-endian bytes each."""
+    return struct.pack(f"<{len(blocks)}Q", *blocks)
+
+
+def unpack_blocks(data: bytes | None) -> Prefix:
+    """The inverse of :func:`pack_blocks` (a malformed value reads as unknown: ``()``)."""
+    if not data or len(data) % 8:
+        return ()
+    return struct.unpack(f"<{len(data) // 8}Q", data)
 
 
 def default_budget(state_dir: Path) -> int:
@@ -133,7 +162,8 @@ class KvCompat:
 
 @dataclass(slots=True)
 class KvEntry:
-    """One parked session of one model."""
+    """One parked copy of a session's KV on one model. ``blocks``: the prefix blocks of
+    what it holds (``()``: unknown)."""
 
     model: str
     session: str
@@ -144,6 +174,7 @@ class KvEntry:
     bytes: int
     saved_at: float
     used_at: float
+    blocks: Prefix = ()
 
     @property
     def session_id(self) -> str:
@@ -203,32 +234,44 @@ class KvStore:
     path: Path
     budget_bytes: int
     dirs: dict[str, Path] = field(default_factory=dict)
-    _entries: dict[tuple[str, str], KvEntry] = field(default_factory=dict)
+    _entries: dict[tuple[str, str], dict[str, KvEntry]] = field(default_factory=dict)
+    """(model, session) -> file -> its copy."""
     _callers: collections.OrderedDict[str, str] = field(default_factory=collections.OrderedDict)
     stats: dict[str, KvModelStats] = field(default_factory=dict)
     orphans_deleted: int = 0
     _seq: int = 0
 
     MAX_CALLERS = 100_000
+    MAX_COPIES = 8
+    """Copies one owner keeps per model (conversations it holds at once); beyond, its
+    least recently used one is evicted."""
 
     # ------------------------------------------------------------------ opening
 
     @classmethod
     def open(cls, path: Path, *, budget_bytes: int, dirs: Mapping[str, Path]) -> KvStore:
-        """Read the index at ``path`` (created if absent), drop entries whose file is
-        gone or whose model is no longer served, and delete our files that the index
-        does not know. Blocking file and SQLite I/O: call it from a thread."""
+        """Read the index at ``path`` (created if absent; the one-copy-per-session index
+        of earlier versions is carried over), drop entries whose file is gone or whose
+        model is no longer served, and delete our files that the index does not know.
+        Blocking file and SQLite I/O: call it from a thread."""
         store = cls(path=Path(path), budget_bytes=int(budget_bytes), dirs=dict(dirs))
         for d in store.dirs.values():
             d.mkdir(parents=True, exist_ok=True)
         with store._connect() as conn:
             conn.execute(_SCHEMA)
-            rows = conn.execute(
-                "SELECT model, session, caller, file, compat, tokens, bytes, saved_at, used_at "
-                "FROM kv"
-            ).fetchall()
+            legacy = conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND name = ?",
+                (_LEGACY_TABLE,),
+            ).fetchone()
+            if legacy is not None:
+                conn.execute(
+                    f"INSERT OR IGNORE INTO parked ({_COLUMNS}) SELECT model, session, caller, "
+                    f"file, compat, tokens, bytes, saved_at, used_at, x'' FROM {_LEGACY_TABLE}"
+                )
+                conn.execute(f"DROP TABLE {_LEGACY_TABLE}")
+            rows = conn.execute(f"SELECT {_COLUMNS} FROM parked").fetchall()
         gone: list[tuple[str, str]] = []
-        for model, session, caller, file, compat, tokens, size, saved_at, used_at in rows:
+        for model, session, caller, file, compat, tokens, size, saved_at, used_at, blocks in rows:
             home = store.dirs.get(model)
             try:
                 entry = KvEntry(
@@ -241,19 +284,20 @@ class KvStore:
                     int(size),
                     float(saved_at),
                     float(used_at),
+                    unpack_blocks(blocks if isinstance(blocks, bytes) else None),
                 )
             except (ValueError, KeyError, TypeError):
-                gone.append((model, session))
+                gone.append((model, file))
                 continue
             if home is None or not (home / file).is_file():
-                gone.append((model, session))
+                gone.append((model, file))
                 continue
-            store._entries[(model, session)] = entry
+            store._index(entry)
         if gone:
             with store._connect() as conn:
-                conn.executemany("DELETE FROM kv WHERE model = ? AND session = ?", gone)
+                conn.executemany("DELETE FROM parked WHERE model = ? AND file = ?", gone)
             log.info("kv store: %d entries had lost their file or model: dropped", len(gone))
-        known = {(e.model, e.file) for e in store._entries.values()}
+        known = {(e.model, e.file) for e in store._all()}
         for model, d in store.dirs.items():
             for child in d.iterdir():
                 if FILE_PATTERN.fullmatch(child.name) and (model, child.name) not in known:
@@ -277,54 +321,96 @@ class KvStore:
     def model_stats(self, model: str) -> KvModelStats:
         return self.stats.setdefault(model, KvModelStats())
 
+    def _all(self) -> Iterable[KvEntry]:
+        for copies in self._entries.values():
+            yield from copies.values()
+
+    def copies(self, model: str, session: str) -> list[KvEntry]:
+        """Every parked copy of ``session`` on ``model``, most recently used first (no
+        compatibility check)."""
+        found = self._entries.get((model, session))
+        if not found:
+            return []
+        return sorted(found.values(), key=lambda e: e.used_at, reverse=True)
+
     def entry(self, model: str, session: str) -> KvEntry | None:
-        """The entry of ``session`` on ``model`` as indexed (no compatibility check)."""
-        return self._entries.get((model, session))
+        """The most recently used copy of ``session`` on ``model`` as indexed (no
+        compatibility check)."""
+        copies = self.copies(model, session)
+        return copies[0] if copies else None
+
+    def has_file(self, model: str, name: str) -> bool:
+        """Whether an entry points at the file ``name`` of ``model``."""
+        return any(e.model == model and e.file == name for e in self._all())
+
+    def current(self, model: str, session: str, blocks: Prefix) -> bool:
+        """Whether ``session`` has a copy on ``model`` that holds exactly ``blocks`` (a
+        slot with that content needs no save)."""
+        found = self._entries.get((model, session))
+        return found is not None and any(e.blocks == blocks for e in found.values())
 
     def find(
-        self, model: str, session: str, compat: KvCompat, *, ctx_per_slot: int | None
+        self,
+        model: str,
+        session: str,
+        compat: KvCompat,
+        *,
+        ctx_per_slot: int | None,
+        prefix: Prefix | None = None,
     ) -> KvEntry | None:
-        """The entry ``session`` may restore on ``model`` now, or None.
+        """The copy ``session`` may restore on ``model`` now for a request of ``prefix``
+        blocks, or None.
 
-        An entry that no longer fits (``compat`` differs, or it holds more tokens
-        than a slot's context) is dropped and counted, in the background; it is
-        never returned.
+        The copy sharing the most leading blocks with ``prefix`` wins, and it must
+        share at least one; a copy or a request whose blocks are unknown (``()``)
+        may match too, after every real match. ``prefix`` None: the most recently
+        used copy. Ties go to the most recently used. A copy that no longer fits
+        (``compat`` differs, or it holds more tokens than a slot's context) is
+        dropped and counted, synchronously; it is never returned.
         """
-        entry = self._entries.get((model, session))
-        if entry is None:
-            return None
-        reason = entry.compat.difference(compat)
-        if reason is None and ctx_per_slot is not None and entry.tokens > ctx_per_slot:
-            reason = f"{entry.tokens} tokens do not fit a slot of {ctx_per_slot}"
-        if reason is None:
-            return entry
-        self.model_stats(model).dropped_incompatible += 1
-        log.info(
-            "parked KV of session %s on %s is not restored: %s; dropped",
-            entry.session_id,
-            model,
-            reason,
-        )
-        self._forget(entry)
-        self._delete_soon([entry])
+        ranked: list[tuple[int, float, KvEntry]] = []
+        for entry in self.copies(model, session):
+            if prefix is None or not prefix or not entry.blocks:
+                score = 0
+            else:
+                score = shared_blocks(entry.blocks, prefix)
+                if score == 0:
+                    continue  # another conversation of the owner
+            ranked.append((score, entry.used_at, entry))
+        ranked.sort(key=lambda r: (r[0], r[1]), reverse=True)
+        for _score, _used, entry in ranked:
+            reason = entry.compat.difference(compat)
+            if reason is None and ctx_per_slot is not None and entry.tokens > ctx_per_slot:
+                reason = f"{entry.tokens} tokens do not fit a slot of {ctx_per_slot}"
+            if reason is None:
+                return entry
+            self.model_stats(model).dropped_incompatible += 1
+            log.info(
+                "parked KV of session %s on %s is not restored: %s; dropped",
+                entry.session_id,
+                model,
+                reason,
+            )
+            self._forget(entry)
+            self._delete_soon([entry])
         return None
 
     def sessions(self, *, caller: str | None = None) -> list[KvEntry]:
-        """Parked entries, most recently used first; only ``caller``'s when given."""
-        entries = [e for e in self._entries.values() if caller is None or e.caller == caller]
+        """Parked copies, most recently used first; only ``caller``'s when given."""
+        entries = [e for e in self._all() if caller is None or e.caller == caller]
         return sorted(entries, key=lambda e: e.used_at, reverse=True)
 
     def by_id(self, session_id: str) -> list[KvEntry]:
-        """Every model's entry of the session shown as ``session_id``."""
-        return [e for e in self._entries.values() if e.session_id == session_id]
+        """Every copy, on every model, of the session shown as ``session_id``."""
+        return [e for e in self._all() if e.session_id == session_id]
 
     def totals(self, model: str) -> tuple[int, int]:
-        """(parked sessions, bytes) of ``model``."""
-        entries = [e for e in self._entries.values() if e.model == model]
+        """(parked copies, bytes) of ``model``."""
+        entries = [e for e in self._all() if e.model == model]
         return len(entries), sum(e.bytes for e in entries)
 
     def total_bytes(self) -> int:
-        return sum(e.bytes for e in self._entries.values())
+        return sum(e.bytes for e in self._all())
 
     # ------------------------------------------------------------------ callers
 
@@ -347,35 +433,42 @@ class KvStore:
         return f"kv-{session_hash(session)}-{stamp:012x}.bin"
 
     async def put(self, entry: KvEntry) -> list[KvEntry]:
-        """Index ``entry`` (its file is on disk), replacing the session's previous one on
-        that model (whose file is deleted), then evict beyond the budget. Returns the
-        entries evicted. Not abandoned on cancellation."""
-        key = (entry.model, entry.session)
-        previous = self._entries.get(key)
-        await trio.to_thread.run_sync(self._put_sync, entry)
-        self._entries[key] = entry
-        old = [previous] if previous is not None and previous.file != entry.file else []
+        """Index ``entry`` (its file is on disk). It replaces the copies of its session on
+        that model that it continues (their blocks are a prefix of its own, or unknown),
+        and the session's least recently used copies beyond :attr:`MAX_COPIES`; their
+        files are deleted. Then evict beyond the budget. Returns the entries evicted by
+        the budget. Not abandoned on cancellation."""
+        others = [e for e in self.copies(entry.model, entry.session) if e.file != entry.file]
+        replaced = [e for e in others if not e.blocks or is_prefix(e.blocks, entry.blocks)]
+        kept = [e for e in others if e not in replaced]
+        replaced += kept[self.MAX_COPIES - 1 :]  # most recently used first
+        await trio.to_thread.run_sync(self._put_sync, entry, replaced)
+        for e in replaced:
+            self._forget(e)
+        self._index(entry)
         evicted = self._over_budget()
         if evicted:
             await trio.to_thread.run_sync(self._delete_rows_sync, evicted)
             for e in evicted:
                 self._forget(e)
                 self.model_stats(e.model).evicted += 1
-        await trio.to_thread.run_sync(self._unlink_sync, old + evicted)
+        await trio.to_thread.run_sync(self._unlink_sync, replaced + evicted)
         return evicted
 
-    async def touch(self, model: str, session: str) -> None:
-        """Mark ``session``'s entry on ``model`` used now (least-recently-used order)."""
-        entry = self._entries.get((model, session))
-        if entry is None:
+    async def touch(self, model: str, session: str, file: str | None = None) -> None:
+        """Mark ``session``'s copy ``file`` on ``model`` (None: each of its copies) used
+        now (least-recently-used order)."""
+        entries = [e for e in self.copies(model, session) if file is None or e.file == file]
+        if not entries:
             return
         now = time.time()
-        await trio.to_thread.run_sync(self._touch_sync, model, session, now)
-        entry.used_at = now
+        await trio.to_thread.run_sync(self._touch_sync, entries, now)
+        for e in entries:
+            e.used_at = now
 
     async def drop(self, entries: Iterable[KvEntry]) -> None:
         """Remove ``entries`` from the index and delete their files."""
-        doomed = [e for e in entries if self._entries.get((e.model, e.session)) is e]
+        doomed = [e for e in entries if self._indexed(e)]
         if not doomed:
             return
         await trio.to_thread.run_sync(self._delete_rows_sync, doomed)
@@ -392,10 +485,20 @@ class KvStore:
 
     # ------------------------------------------------------------------ internals
 
+    def _index(self, entry: KvEntry) -> None:
+        self._entries.setdefault((entry.model, entry.session), {})[entry.file] = entry
+
+    def _indexed(self, entry: KvEntry) -> bool:
+        found = self._entries.get((entry.model, entry.session))
+        return found is not None and found.get(entry.file) is entry
+
     def _forget(self, entry: KvEntry) -> None:
         key = (entry.model, entry.session)
-        if self._entries.get(key) is entry:
-            del self._entries[key]
+        found = self._entries.get(key)
+        if found is not None and found.get(entry.file) is entry:
+            del found[entry.file]
+            if not found:
+                del self._entries[key]
 
     def _delete_soon(self, entries: list[KvEntry]) -> None:
         """Delete rows and files now, synchronously (small: one row, one unlink)."""
@@ -406,7 +509,7 @@ class KvStore:
     def _over_budget(self) -> list[KvEntry]:
         total = self.total_bytes()
         out: list[KvEntry] = []
-        for entry in sorted(self._entries.values(), key=lambda e: e.used_at):
+        for entry in sorted(self._all(), key=lambda e: e.used_at):
             if total <= self.budget_bytes:
                 break
             out.append(entry)
@@ -424,11 +527,11 @@ class KvStore:
             self.model_stats(e.model).evicted += 1
         self._unlink_sync(evicted)
 
-    def _put_sync(self, entry: KvEntry) -> None:
+    def _put_sync(self, entry: KvEntry, replaced: list[KvEntry]) -> None:
         with self._connect() as conn:
+            conn.execute("BEGIN")
             conn.execute(
-                "INSERT OR REPLACE INTO kv (model, session, caller, file, compat, tokens, "
-                "bytes, saved_at, used_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT OR REPLACE INTO parked ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     entry.model,
                     entry.session,
@@ -439,13 +542,17 @@ class KvStore:
                     entry.bytes,
                     entry.saved_at,
                     entry.used_at,
+                    pack_blocks(entry.blocks),
                 ),
             )
+            self._delete_rows(conn, replaced)
+            conn.execute("COMMIT")
 
-    def _touch_sync(self, model: str, session: str, now: float) -> None:
+    def _touch_sync(self, entries: list[KvEntry], now: float) -> None:
         with self._connect() as conn:
-            conn.execute(
-                "UPDATE kv SET used_at = ? WHERE model = ? AND session = ?", (now, model, session)
+            conn.executemany(
+                "UPDATE parked SET used_at = ? WHERE model = ? AND file = ?",
+                [(now, e.model, e.file) for e in entries],
             )
 
     def _delete_rows_sync(self, entries: list[KvEntry]) -> None:
@@ -455,8 +562,8 @@ class KvStore:
     @staticmethod
     def _delete_rows(conn: sqlite3.Connection, entries: list[KvEntry]) -> None:
         conn.executemany(
-            "DELETE FROM kv WHERE model = ? AND session = ? AND file = ?",
-            [(e.model, e.session, e.file) for e in entries],
+            "DELETE FROM parked WHERE model = ? AND file = ?",
+            [(e.model, e.file) for e in entries],
         )
 
     def _unlink_sync(self, entries: list[KvEntry]) -> None:
@@ -467,7 +574,7 @@ class KvStore:
                     (d / e.file).unlink()
 
     def statistics(self, model: str) -> dict[str, object]:
-        """One model's parking for status: totals and counters."""
+        """One model's parking for status: totals (``parked``: copies) and counters."""
         parked, size = self.totals(model)
         return {"parked": parked, "bytes": size, **dataclasses.asdict(self.model_stats(model))}
 

@@ -334,7 +334,8 @@ async def test_cancellation_at_each_step_leaves_table_and_index_consistent(
     save is in flight (the engine has carried the action out; its answer is slow).
     Afterwards every indexed file exists, no file of ours is unindexed, and each
     session still gets exactly its own KV."""
-    cfg = _config(tiny_model, state_dir, engine_binary)
+    # every save at its handoff (none in the background)
+    cfg = _config(tiny_model, state_dir, engine_binary, scheduler={"save_idle_slots": False})
     with trio.fail_after(120):
         async with running(cfg) as (host, client):
             rt = host.models["tiny"]
@@ -353,12 +354,12 @@ async def test_cancellation_at_each_step_leaves_table_and_index_consistent(
                     await trio.sleep_forever()
                 return answer
 
-            def slow_put(entry: Any) -> None:
+            def slow_put(entry: Any, *rest: Any) -> None:
                 trio.from_thread.run_sync(stuck.set)
                 import time
 
                 time.sleep(0.5)  # a slow disk: the write finishes, cancelled or not
-                real_put(entry)
+                real_put(entry, *rest)
 
             if step == "index":
                 kv._put_sync = slow_put  # type: ignore[method-assign]

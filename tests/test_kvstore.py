@@ -178,3 +178,95 @@ async def test_sessions_list_per_caller_and_drop(tmp_path: Path) -> None:
     assert [e.session for e in store.sessions()] == ["s2"]
     assert not any(p.name == mine.file for p in store.dirs["a"].iterdir())
     assert [e.session for e in _open(tmp_path).sessions()] == ["s2"]
+
+
+# --------------------------------------------------------------------------- copies
+
+
+async def _copy(store: KvStore, session: str, blocks: tuple[int, ...], **kw: object) -> KvEntry:
+    name = store.new_file_name(session)
+    (store.dirs["a"] / name).write_bytes(b"x" * 100)
+    now = time.time()
+    entry = KvEntry("a", session, "caller-1", name, COMPAT, 50, 100, now, now, blocks)
+    await store.put(entry)
+    await trio.lowlevel.checkpoint()
+    return entry
+
+
+async def test_an_owner_keeps_one_copy_per_conversation_found_by_longest_prefix(
+    tmp_path: Path,
+) -> None:
+    store = _open(tmp_path)
+    main = await _copy(store, "s1", (1, 2, 3))
+    sub = await _copy(store, "s1", (7, 8))
+    assert {e.file for e in store.copies("a", "s1")} == {main.file, sub.file}
+    assert store.find("a", "s1", COMPAT, ctx_per_slot=1024, prefix=(1, 2, 3, 4)) == main
+    assert store.find("a", "s1", COMPAT, ctx_per_slot=1024, prefix=(1, 2, 9)) == main  # 2 shared
+    assert store.find("a", "s1", COMPAT, ctx_per_slot=1024, prefix=(7, 8, 9)) == sub
+    assert store.find("a", "s1", COMPAT, ctx_per_slot=1024, prefix=(5,)) is None  # shares none
+    assert store.find("a", "s2", COMPAT, ctx_per_slot=1024, prefix=(1, 2, 3)) is None  # owner
+    assert store.find("a", "s1", COMPAT, ctx_per_slot=1024) == sub  # most recently used
+    assert store.current("a", "s1", (1, 2, 3)) and not store.current("a", "s1", (1, 2))
+    # a later turn of a conversation replaces its copy; the other conversation stays
+    longer = await _copy(store, "s1", (1, 2, 3, 4, 5))
+    assert {e.file for e in store.copies("a", "s1")} == {longer.file, sub.file}
+    assert not (store.dirs["a"] / main.file).exists()
+    assert store.totals("a") == (2, 200)
+    # a branch (not a continuation) is a copy of its own, and the best match wins
+    branch = await _copy(store, "s1", (1, 2, 6))
+    assert store.find("a", "s1", COMPAT, ctx_per_slot=1024, prefix=(1, 2, 6, 7)) == branch
+    assert store.find("a", "s1", COMPAT, ctx_per_slot=1024, prefix=(1, 2, 3, 4, 5, 6)) == longer
+    # blocks and copies survive a restart; deleting the session deletes every copy
+    again = _open(tmp_path)
+    assert again.find("a", "s1", COMPAT, ctx_per_slot=1024, prefix=(7, 8)) is not None
+    assert {e.blocks for e in again.copies("a", "s1")} == {(1, 2, 3, 4, 5), (7, 8), (1, 2, 6)}
+    await again.drop(again.by_id(main.session_id))
+    assert again.copies("a", "s1") == [] and _open(tmp_path).sessions() == []
+    assert not any(FILE_PATTERN.fullmatch(p.name) for p in again.dirs["a"].iterdir())
+
+
+async def test_an_owner_keeps_at_most_max_copies(tmp_path: Path) -> None:
+    store = _open(tmp_path, budget=100_000)
+    first = await _copy(store, "s1", (100,))
+    for i in range(KvStore.MAX_COPIES):
+        await _copy(store, "s1", (101 + i,))
+    assert len(store.copies("a", "s1")) == KvStore.MAX_COPIES
+    assert first not in store.copies("a", "s1")  # the least recently used went
+    assert len(_open(tmp_path, budget=100_000).copies("a", "s1")) == KvStore.MAX_COPIES
+
+
+async def test_an_unknown_copy_is_a_last_resort_and_replaced_by_the_next_save(
+    tmp_path: Path,
+) -> None:
+    store = _open(tmp_path)
+    unknown = await _copy(store, "s1", ())
+    assert store.find("a", "s1", COMPAT, ctx_per_slot=1024, prefix=(1, 2)) == unknown
+    known = await _copy(store, "s1", (1, 2))
+    assert store.copies("a", "s1") == [known]
+
+
+async def test_an_index_of_one_copy_per_session_is_carried_over(tmp_path: Path) -> None:
+    """The index earlier versions wrote (table ``kv``, one row per session) is read into
+    the new one at start, each entry a copy with unknown blocks."""
+    import sqlite3
+
+    dirs = tmp_path / "slots" / "a"
+    dirs.mkdir(parents=True)
+    (dirs / "kv-0123456789abcdef-000000000001.bin").write_bytes(b"x" * 10)
+    conn = sqlite3.connect(tmp_path / "kv.sqlite")
+    conn.execute(
+        "CREATE TABLE kv (model TEXT NOT NULL, session TEXT NOT NULL, caller TEXT, "
+        "file TEXT NOT NULL, compat TEXT NOT NULL, tokens INTEGER NOT NULL, "
+        "bytes INTEGER NOT NULL, saved_at REAL NOT NULL, used_at REAL NOT NULL, "
+        "PRIMARY KEY (model, session))"
+    )
+    conn.execute(
+        "INSERT INTO kv VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        ("a", "s1", "me", "kv-0123456789abcdef-000000000001.bin", COMPAT.to_json(), 5, 10, 1, 1),
+    )
+    conn.commit()
+    conn.close()
+    store = _open(tmp_path)
+    entry = store.find("a", "s1", COMPAT, ctx_per_slot=1024, prefix=(1,))
+    assert entry is not None and entry.blocks == () and entry.caller == "me"
+    assert _open(tmp_path).entry("a", "s1") is not None  # migrated once, kept

@@ -32,6 +32,7 @@ from gezel_trio.scheduler import (
     hash_session,
     open_scheduler,
 )
+from gezel_trio.scheduler.prefix import Prefix
 from gezel_trio.scheduler.slots import Content
 
 # --------------------------------------------------------------------------- fake engine
@@ -965,18 +966,24 @@ class ParkingFakeLane(FakeLane):
         self.parking_enabled = True
         self.misses = 0
 
-    def is_parked(self, session: str | None) -> bool:
+    def is_parked(self, session: str | None, prefix: Prefix | None = None) -> bool:
         return session is not None and session in self.parked
+
+    def parked_blocks(self, session: str | None, prefix: Prefix | None = None) -> Prefix | None:
+        return () if self.is_parked(session) else None
+
+    def is_current(self, session: str, blocks: Prefix) -> bool:
+        return session in self.parked
 
     def note_miss(self) -> None:
         self.misses += 1
 
-    async def park_slot(self, slot_id: int, session: str) -> int:
+    async def park_slot(self, slot_id: int, session: str, blocks: Prefix = ()) -> int:
         self.parked[session] = self.slots[slot_id].kv
         await trio.sleep(self.park_time)
         return 100  # tokens saved
 
-    async def unpark_slot(self, slot_id: int, session: str) -> int:
+    async def unpark_slot(self, slot_id: int, session: str, prefix: Prefix | None = None) -> int:
         if session not in self.parked:
             return 0
         self.slots[slot_id].kv = self.parked[session]
@@ -988,7 +995,7 @@ async def test_a_restore_cancelled_in_flight_leaves_the_slot_unknown(
     autojump_clock: trio.testing.MockClock, pool: FakePool
 ) -> None:
     a = ParkingFakeLane(pool, "a", parallel=1, park_time=1.0)
-    async with running({"a": a}) as h:
+    async with running({"a": a}, save_idle_slots=False) as h:  # the save at handoff
         s = h.scheduler
         h.submit(a, session="chat-2", duration=1.0)
         h.submit(a, at=1.5, session="chat-1", duration=1.0)  # parks chat-2's KV
@@ -1015,11 +1022,11 @@ async def test_a_failed_park_does_not_fail_the_handoff(
     autojump_clock: trio.testing.MockClock, pool: FakePool
 ) -> None:
     a = ParkingFakeLane(pool, "a", parallel=1, park_time=0.1)
-    async with running({"a": a}) as h:
+    async with running({"a": a}, save_idle_slots=False) as h:  # the save at handoff
         h.submit(a, session="chat-1", duration=1.0)
         await trio.sleep(2.0)
 
-        async def broken(slot_id: int, session: str) -> None:
+        async def broken(slot_id: int, session: str, blocks: Prefix = ()) -> None:
             raise OSError("disk full")
 
         a.park_slot = broken  # type: ignore[method-assign]
@@ -1284,3 +1291,112 @@ def test_dispatcher_cost_benchmark_runs_and_its_invariants_hold(tmp_path: Path) 
         assert run["admissions"] == run["jobs"] == 400
         assert run["dispatcher_us_per_admission"] > 0
     assert result["memory"]["scheduler_bytes_per_queued_job"] > 0
+
+
+# --------------------------------------------------------------------------- background saves
+
+
+async def test_an_idle_slot_is_saved_in_the_background_and_its_handoff_skips_the_save(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = ParkingFakeLane(pool, "a", parallel=1, park_time=0.5, erase_time=0.25)
+    async with running({"a": a}) as h:
+        s = h.scheduler
+        t0 = trio.current_time()
+        h.submit(a, session="chat-1", duration=1.0)  # ends at 1; saved 1 .. 1.5
+        await trio.sleep(2.0)
+        assert s.statistics().parking["saved_idle"] == 1 and "chat-1" in a.parked
+        assert a.holds == 0  # the save held the engine only while it ran
+        nxt = h.submit(a, session="chat-2", duration=1.0)
+    parking = s.statistics().parking
+    assert nxt.start == t0 + 2.25  # only the erase before it
+    assert nxt.grant is not None and nxt.grant.prepare_calls == 1
+    assert parking["saved"] == 0 and parking["save_skipped_current"] == 1
+    assert (parking["handoffs"], parking["handoff_calls"]) == (1, 2)
+    assert a.bleeds == []
+
+
+async def test_a_lone_owner_with_a_clean_slot_to_spare_is_not_saved_in_the_background(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    """Nobody else uses the model and a slot is free for a newcomer: saving every turn
+    would only make the owner's next turn wait. Once another owner shows up, it is."""
+    a = ParkingFakeLane(pool, "a", parallel=2, park_time=0.5)
+    async with running({"a": a}) as h:
+        s = h.scheduler
+        h.submit(a, session="chat-1", duration=1.0)
+        await trio.sleep(2.0)
+        assert s.statistics().parking["saved_idle"] == 0 and "chat-1" not in a.parked
+        h.submit(a, session="chat-2", duration=1.0)
+        await trio.sleep(2.0)
+    assert s.statistics().parking["saved_idle"] == 1  # chat-2's, with chat-1 around
+    assert "chat-1" not in a.parked and "chat-2" in a.parked
+
+
+async def test_without_background_saves_a_handoff_makes_three_calls(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = ParkingFakeLane(pool, "a", parallel=1, park_time=0.5)
+    async with running({"a": a}, save_idle_slots=False) as h:
+        s = h.scheduler
+        h.submit(a, session="chat-1", duration=1.0)
+        h.submit(a, at=2.0, session="chat-2", duration=1.0)  # parks chat-1, erases
+        h.submit(a, at=4.0, session="chat-1", duration=1.0)  # parks chat-2, restores
+    parking = s.statistics().parking
+    assert parking["saved_idle"] == 0 and parking["saved"] == 2
+    assert (parking["handoffs"], parking["handoff_calls"]) == (2, 6)
+
+
+async def test_a_request_for_a_slot_being_saved_waits_for_the_save(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    """Its owner's next turn goes to its own slot and waits for the save to end (no
+    second save); another owner's request that needs the slot waits too, and its
+    handoff then skips the save."""
+    a = ParkingFakeLane(pool, "a", parallel=1, park_time=1.0)
+    async with running({"a": a}) as h:
+        s = h.scheduler
+        t0 = trio.current_time()
+        h.submit(a, session="chat-1", duration=1.0)  # ends at 1; saved 1 .. 2
+        same = h.submit(a, at=1.5, session="chat-1", duration=1.0)  # ends at 3; saved 3 .. 4
+        other = h.submit(a, at=3.5, session="chat-2", duration=1.0)
+    assert same.start == t0 + 2.0 and same.grant is not None
+    assert same.grant.prepare_calls == 0 and not same.grant.erased
+    assert other.start == t0 + 4.0 and other.grant is not None
+    assert other.grant.prepare_calls == 1  # the erase; the save was the background one
+    parking = s.statistics().parking
+    assert parking["saved"] == 0 and parking["saved_idle"] == 2
+    assert parking["save_skipped_current"] == 1
+    assert a.bleeds == []
+
+
+async def test_a_background_save_cut_by_shutdown_leaves_the_copy_stale(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = ParkingFakeLane(pool, "a", parallel=1, park_time=1.0)
+    async with running({"a": a}) as h:
+        s = h.scheduler
+        h.submit(a, session="chat-1", duration=1.0)  # ends at 1; its save 1 .. 2 is cut
+        await trio.sleep(1.5)
+        assert s.policy.table("a").saving(0) is not None
+    entry = s.policy.table("a").slots[0]
+    assert entry.saving is None and not entry.parked_current
+    assert entry.content is Content.OWNED and entry.session == "chat-1"
+    assert s.statistics().parking["saved_idle"] == 0
+    # the planned stop's park still works once the scheduler has closed
+    assert await s.park_owned("a") == 1
+    assert s.policy.table("a").slots[0].parked_current
+
+
+async def test_park_owned_waits_for_a_background_save_in_flight(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    a = ParkingFakeLane(pool, "a", parallel=1, park_time=1.0)
+    async with running({"a": a}) as h:
+        s = h.scheduler
+        h.submit(a, session="chat-1", duration=1.0)  # ends at 1; saved 1 .. 2
+        await trio.sleep(1.5)
+        t0 = trio.current_time()
+        assert await s.park_owned("a") == 0  # the background save made it current
+        assert trio.current_time() == t0 + 0.5
+        assert s.statistics().parking["saved_idle"] == 1

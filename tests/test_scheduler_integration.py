@@ -81,7 +81,12 @@ async def test_handoff_erases_and_same_session_keeps_kv(
     restore or erase always happens before the completion reaches the engine).
     """
     cfg = _one_model(
-        tiny_model, state_dir, engine_binary, parallel=1, scheduler={"kv_parking": kv_parking}
+        tiny_model,
+        state_dir,
+        engine_binary,
+        parallel=1,
+        # every save at its handoff (the background saves have tests of their own)
+        scheduler={"kv_parking": kv_parking, "save_idle_slots": False},
     )
     with trio.fail_after(120):
         async with running(cfg) as (host, client):

@@ -127,6 +127,33 @@ def test_a_restore_is_unknown_until_acknowledged_and_then_owned_with_a_current_c
     assert table.safe_for(0, "chat-2") and not table.safe_for(0, "chat-1")
 
 
+def test_a_handoff_is_likely_only_when_another_owner_or_no_clean_slot_is_around() -> None:
+    table = SlotTable(3, generation=1)
+
+    def complete(slot: int, session: str | None) -> None:
+        job = Job(f"j{slot}")
+        table.pin(slot, job)
+        table.sending(slot, job)
+        table.completed(slot, job, session)
+        table.unpin(slot, job)
+
+    complete(0, "chat-1")
+    assert not table.handoff_likely(0)  # a lone owner, two fresh slots to spare
+    complete(1, "chat-1")
+    assert not table.handoff_likely(0)  # its own other conversation, one slot spare
+    complete(2, "chat-1")
+    assert table.handoff_likely(0)  # no slot left for a newcomer
+    complete(2, "chat-2")
+    assert table.handoff_likely(0)
+    table = SlotTable(2, generation=1)
+    complete(0, "chat-1")
+    complete(1, None)
+    assert table.handoff_likely(0)  # a keyless job is around: a spare slot is not enough
+    table = SlotTable(1, generation=1)
+    complete(0, "chat-1")
+    assert table.handoff_likely(0)
+
+
 def test_a_completion_leaves_its_session_or_a_dirty_keyless_slot() -> None:
     table = SlotTable(2, generation=1)
     keyed, keyless = Job("keyed"), Job("keyless")
@@ -572,7 +599,7 @@ class SlotTableMachine(RuleBasedStateMachine):
                     self.table.erased(slot, job)
                 else:
                     assert session is not None
-                    self.table.restored(slot, job, session)
+                    self.table.restored(slot, job, session, keyless=self._keyless(session))
             elif outcome == "fail":
                 job.steps.clear()  # the dispatcher re-derives its plan (or gives up)
         if outcome == "cancel":
@@ -590,6 +617,10 @@ class SlotTableMachine(RuleBasedStateMachine):
         self.table.sending(job.slot, job)
         job.sent = True
         job.steps.clear()
+
+    def _keyless(self, session: str) -> bool:
+        """Whether ``session`` is a caller's keyless owner (none in this model)."""
+        return False
 
     def _end(self, job: ModelJob, *, tokens: bool) -> None:
         """The job's completion ends (finished, failed or cancelled)."""
@@ -831,3 +862,145 @@ SlotTableMachine.TestCase.settings = settings(
     max_examples=200, stateful_step_count=60, deadline=None
 )
 test_slot_table_against_the_engines_truth = SlotTableMachine.TestCase
+
+
+# --------------------------------------------------------------------------- copies, saves
+
+
+def _holding(table: SlotTable, slot: int, session: str, blocks: tuple[int, ...]) -> None:
+    job = Job("turn")
+    table.pin(slot, job)
+    table.sending(slot, job)
+    table.completed(slot, job, session, blocks=blocks)
+    table.unpin(slot, job)
+
+
+def test_an_owners_slot_holding_another_of_its_conversations_parks_it_and_restores() -> None:
+    from gezel_trio.scheduler.prefix import shared_blocks
+
+    table = SlotTable(1, generation=1)
+    _holding(table, 0, "agent", (1, 2, 3))  # the main agent's conversation
+    copies = {(7, 8)}  # the sub-agent's, parked
+    current: set[tuple[int, ...]] = set()
+
+    def shares(prefix: tuple[int, ...]) -> Callable[[str], int | None]:
+        def best(session: str) -> int | None:
+            found = [shared_blocks(c, prefix) for c in copies if shared_blocks(c, prefix)]
+            return max(found) if session == "agent" and found else None
+
+        return best
+
+    def prep(prefix: tuple[int, ...]) -> Preparation:
+        return table.preparation(
+            0,
+            "agent",
+            parking=True,
+            is_parked=lambda s: shares(prefix)(s) is not None,
+            prefix=prefix,
+            is_current=lambda s, b: s == "agent" and b in current,
+            parked_shares=shares(prefix),
+        )
+
+    assert prep((1, 2, 3, 4)) == Preparation()  # it continues the slot
+    assert prep((7, 8, 9)) == Preparation(park="agent", restore=True)
+    assert prep((5, 6)) == Preparation(park="agent")  # a new conversation: no copy
+    mark = object()
+    table.begin_save(0, mark)  # saved in the background
+    table.end_save(0, mark, "agent", tokens=10)
+    assert prep((7, 8, 9)) == Preparation(park="agent", restore=True)  # not on disk
+    current.add((1, 2, 3))
+    assert prep((7, 8, 9)) == Preparation(restore=True)  # its copy is current: no save
+    copies.add((1, 2, 9, 9))
+    assert prep((1, 2, 9, 9, 10)) == Preparation(restore=True)  # shares 4 > 2
+    copies.discard((1, 2, 9, 9))
+    copies.add((1, 9))
+    assert prep((1, 5, 6)) == Preparation()  # the copy shares 1 block, as the slot does
+    # without parking, or without the copies' blocks, nothing changes for its owner
+    assert table.preparation(0, "agent", prefix=(7, 8)) == Preparation()
+    assert table.preparation(0, "agent", parking=True, prefix=(7, 8)) == Preparation()
+    # another owner's copy never comes into it
+    assert table.preparation(
+        0, "other", parking=True, prefix=(7, 8), is_current=lambda s, b: True
+    ) == Preparation(erase=True)
+
+
+def test_a_restored_copy_is_current_and_records_its_blocks() -> None:
+    table = SlotTable(2, generation=1)
+    job = Job("restore")
+    table.pin(0, job)
+    table.sending(0, job)
+    table.restored(0, job, "agent", keyless=True, blocks=(1, 2))
+    entry = table.slots[0]
+    assert (entry.content, entry.session, entry.blocks) == (Content.OWNED, "agent", (1, 2))
+    assert entry.parked_current and entry.keyless
+    # a save of a conversation that continues another slot's makes that one stale only
+    _holding(table, 1, "agent", (1, 2, 3))
+    other = Job("save")
+    table.pin(1, other)
+    table.parked(1, other, "agent")
+    assert table.slots[1].parked_current and not table.slots[0].parked_current
+    table.unpin(1, other)
+    table.unpin(0, job)
+    _holding(table, 0, "agent", (7,))
+    table.pin(0, job)
+    table.parked(0, job, "agent")
+    assert table.slots[0].parked_current and table.slots[1].parked_current  # two copies
+
+
+def test_a_background_save_marks_the_slot_until_it_ends() -> None:
+    table = owned_by("chat-1", size=2)
+    mark = object()
+    assert table.begin_save(1, mark) is None  # fresh: nothing to save
+    assert table.begin_save(0, mark) == "chat-1"
+    assert table.saving(0) is mark and table.begin_save(0, object()) is None
+    assert table.free() == [0, 1]  # not pinned: an owner's request may be placed on it
+    # a reconciliation sample taken meanwhile does not hold it out
+    assert table.reconcile([0], sampled_at=table.tick) == []
+    assert table.content(0) is Content.OWNED
+    table.end_save(0, object(), "chat-1", tokens=10)  # another save's end: ignored
+    assert table.saving(0) is mark
+    table.end_save(0, mark, "chat-1", tokens=10)
+    assert table.saving(0) is None and table.slots[0].parked_current
+    on_disk = {"chat-1"}.__contains__
+    assert table.preparation(0, "chat-2", parking=True, is_parked=on_disk) == Preparation(
+        erase=True
+    )
+    # a failed or cut save changes nothing: the copy is not current
+    fresh = owned_by("chat-1")
+    fresh.begin_save(0, mark)
+    fresh.end_save(0, mark, "chat-1", tokens=None)
+    assert fresh.saving(0) is None and not fresh.slots[0].parked_current
+    assert fresh.content(0) is Content.OWNED
+    # an empty slot (nothing saved) is clean
+    fresh.begin_save(0, mark)
+    fresh.end_save(0, mark, "chat-1", tokens=0)
+    assert fresh.content(0) is Content.CLEAN
+    # a pinned or held-out slot is never marked
+    busy = owned_by("chat-1")
+    busy.pin(0, Job("j"))
+    assert busy.begin_save(0, mark) is None
+
+
+def test_a_restart_forgets_a_save_in_flight() -> None:
+    table = owned_by("chat-1")
+    mark = object()
+    table.begin_save(0, mark)
+    table.sync(1, 2)  # same process, more slots: still being saved
+    assert table.saving(0) is mark
+    table.sync(2, 2)  # a new process: fresh, and the save's end changes nothing
+    assert table.saving(0) is None
+    table.end_save(0, mark, "chat-1", tokens=10)
+    assert table.content(0) is Content.FRESH and not table.slots[0].parked_current
+
+
+def test_placement_avoids_a_slot_being_saved_unless_its_owner_continues_it() -> None:
+    from gezel_trio.scheduler.policy import choose_slot
+
+    table = SlotTable(2, generation=1)
+    _holding(table, 0, "ann", (1, 2))
+    _holding(table, 1, "bea", (5,))
+    assert choose_slot([0, 1], session="cid", table=table) == 0  # least recently used
+    table.begin_save(0, object())
+    assert choose_slot([0, 1], session="cid", table=table) == 1  # not the one being saved
+    assert choose_slot([0, 1], session="ann", table=table, prefix=(1, 2, 3)) == 0  # its own
+    assert choose_slot([0], session="cid", table=table) == 0  # only it: waits for the save

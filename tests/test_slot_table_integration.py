@@ -43,6 +43,7 @@ def _cfg(
     *,
     parallel: int,
     keyless: str = "shared",
+    save_idle_slots: bool = True,
     **model: Any,
 ) -> Any:
     return make_config(
@@ -53,7 +54,7 @@ def _cfg(
         ],
         state_dir=state_dir,
         engine_binary=engine_binary,
-        scheduler={"keyless": keyless},
+        scheduler={"keyless": keyless, "save_idle_slots": save_idle_slots},
     )
 
 
@@ -90,8 +91,11 @@ async def _request(
 async def test_upstream_calls_on_the_critical_path(
     tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
 ) -> None:
-    """In ``keyless = "blind"`` mode (keyless requests have no owner)."""
-    cfg = _cfg(tiny_model, state_dir, engine_binary, parallel=1, keyless="blind")
+    """In ``keyless = "blind"`` mode (keyless requests have no owner), every save at its
+    handoff (``test_kv_copies_integration`` has the background saves)."""
+    cfg = _cfg(
+        tiny_model, state_dir, engine_binary, parallel=1, keyless="blind", save_idle_slots=False
+    )
     with trio.fail_after(120):
         async with running(cfg) as (host, client):
             # keyless: the completion alone; its slot is erased once idle, off the path

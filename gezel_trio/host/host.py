@@ -558,6 +558,8 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
                     affinity_max_wait=sched.affinity_max_wait,
                     erase_on_handoff=sched.erase_on_handoff,
                     kv_parking=sched.kv_parking,
+                    save_idle_slots=sched.save_idle_slots,
+                    save_idle_delay=sched.save_idle_delay,
                 ),
             ) as scheduler:
                 host.scheduler = scheduler

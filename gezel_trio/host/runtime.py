@@ -30,6 +30,7 @@ from ..gpu.arbiter import GpuArbiter
 from ..gpu.placement import Placement
 from ..kvstore import KvCompat, KvEntry, KvModelStats, KvStore, file_identity
 from ..scheduler.policy import SlotMeasurement
+from ..scheduler.prefix import Prefix
 from .calibration import CalibrationState
 from .metrics import Metrics
 
@@ -262,26 +263,41 @@ class ModelRuntime:
             return None
         return total // max(1, self.slot_count) if total > 0 else None
 
-    def _parked_entry(self, session: str) -> KvEntry | None:
+    def _parked_entry(self, session: str, prefix: Prefix | None = None) -> KvEntry | None:
         if self.kv is None:
             return None
-        return self.kv.find(self.id, session, self.kv_compat(), ctx_per_slot=self._ctx_per_slot())
-
-    def is_parked(self, session: str | None) -> bool:
-        """Whether ``session`` has KV parked that the engine running now can load."""
-        return (
-            session is not None and self.parking_enabled and self._parked_entry(session) is not None
+        return self.kv.find(
+            self.id, session, self.kv_compat(), ctx_per_slot=self._ctx_per_slot(), prefix=prefix
         )
+
+    def is_parked(self, session: str | None, prefix: Prefix | None = None) -> bool:
+        """Whether ``session`` has a parked copy that the engine running now can load, for
+        a request of ``prefix`` blocks (see :meth:`KvStore.find`; None: any copy)."""
+        return self.parked_blocks(session, prefix) is not None
+
+    def parked_blocks(self, session: str | None, prefix: Prefix | None = None) -> Prefix | None:
+        """The blocks of the copy :meth:`unpark_slot` would restore for a request of
+        ``prefix`` (None: there is none)."""
+        if session is None or not self.parking_enabled:
+            return None
+        entry = self._parked_entry(session, prefix)
+        return None if entry is None else entry.blocks
+
+    def is_current(self, session: str, blocks: Prefix) -> bool:
+        """Whether a parked copy of ``session`` holds exactly ``blocks`` (a slot with that
+        content needs no save)."""
+        return self.kv is not None and self.kv.current(self.id, session, blocks)
 
     def note_miss(self) -> None:
         """A keyed job found its session neither in its slot nor parked (a cold prefill)."""
         if self.kv is not None:
             self.kv_stats.misses += 1
 
-    async def park_slot(self, slot_id: int, session: str) -> int:
-        """Save ``session``'s KV from ``slot_id`` into the store (a new file; the
-        session's previous one is deleted once the index points at this one): the tokens
-        saved, 0 when the slot held none (nothing is kept).
+    async def park_slot(self, slot_id: int, session: str, blocks: Prefix = ()) -> int:
+        """Save ``session``'s KV from ``slot_id`` into the store as a copy of ``blocks``
+        (a new file; the session's copies it continues are deleted once the index points
+        at this one, see :meth:`KvStore.put`): the tokens saved, 0 when the slot held
+        none (nothing is kept).
 
         Raises on failure (the caller then erases instead). Cancellation leaves the
         index as it was; a file the engine wrote meanwhile is deleted.
@@ -311,6 +327,7 @@ class ModelRuntime:
                     bytes=size,
                     saved_at=now,
                     used_at=now,
+                    blocks=tuple(blocks),
                 )
             )
             stats.saves += 1
@@ -323,12 +340,12 @@ class ModelRuntime:
             stats.save_failures += 1
             raise
         finally:
-            entry = kv.entry(self.id, session)
-            if entry is None or entry.file != name:
+            if not kv.has_file(self.id, name):
                 kv.discard_file(self.id, name)
 
-    async def unpark_slot(self, slot_id: int, session: str) -> int:
-        """Restore ``session``'s parked KV into ``slot_id``; the tokens restored, 0 when
+    async def unpark_slot(self, slot_id: int, session: str, prefix: Prefix | None = None) -> int:
+        """Restore ``session``'s parked copy for a request of ``prefix`` blocks (the one
+        :meth:`parked_blocks` names) into ``slot_id``; the tokens restored, 0 when
         nothing was (none parked, or the restore did not take: counted, and dropped).
 
         A restore replaces the slot's whole content, so it also isolates the slot
@@ -338,7 +355,7 @@ class ModelRuntime:
         kv = self.kv
         if kv is None or self.engine.base_url is None or not self.parking_enabled:
             return 0
-        entry = self._parked_entry(session)
+        entry = self._parked_entry(session, prefix)
         if entry is None:
             return 0
         stats = self.kv_stats
@@ -360,7 +377,7 @@ class ModelRuntime:
         stats.restore_ms += (time.perf_counter() - t0) * 1000
         if self.metrics is not None:
             self.metrics.kv_park(self.id, "restore", time.perf_counter() - t0)
-        await kv.touch(self.id, session)
+        await kv.touch(self.id, session, entry.file)
         return restored
 
     def verify_restore(self, restored: int, prompt: int | None, cached: int | None) -> None:

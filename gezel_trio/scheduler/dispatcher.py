@@ -18,9 +18,10 @@ dispatcher. A granted job holds its engine from that moment (the lane's
 
 The caller's ``async with`` then takes the GPU lease and *prepares* the slot
 from the model's :class:`~gezel_trio.scheduler.slots.SlotTable`: it parks the
-outgoing owner's KV (unless its parked copy is current, or the owner is a
-caller's keyless owner, whose KV is only erased), restores the caller's own
-parked KV, or erases the slot, recording each transition before the I/O. Only
+outgoing owner's KV (unless its parked copy is current), restores the caller's
+own parked copy that shares the longest prefix with its request, or erases the
+slot, recording each transition before the I/O. Every owner is parked alike: a
+named session, a caller's keyless owner, a keyless conversation. Only
 a slot whose content is the job's own owner's, or empty, is handed over to a
 job with an owner (a named session, or a caller's keyless owner); when an
 erase is not acknowledged the request fails (503) and the slot stays unknown.
@@ -31,6 +32,14 @@ slot now holds and wakes the dispatcher on every path. The slot a blind job
 leaves is erased off the critical path once it has stayed idle for
 ``idle_erase_delay`` (pinned until the engine acknowledges), or before an
 owner's job takes it, whichever comes first.
+
+With ``save_idle_slots``, the slot an owner's job leaves is saved off the
+critical path once it has stayed idle for ``save_idle_delay``: the slot is
+marked *being saved* in the table (not pinned), a job placed on it waits for the
+save before anything is sent to it, and the copy is then current, so a handoff
+skips the save: a keyed handoff makes 2 upstream calls (restore or erase, then
+the request) instead of 3. ``statistics().parking`` counts ``handoffs`` and their
+``handoff_calls`` (the requests included) and ``saved_idle``.
 
 For engines the host spawned, free slots come from the table; ``/slots`` is
 only sampled to reconcile (after each engine start, every
@@ -83,7 +92,7 @@ from gezel_trio.scheduler.policy import (
     SchedulerStats,
     SlotMeasurement,
 )
-from gezel_trio.scheduler.prefix import Prefix
+from gezel_trio.scheduler.prefix import Prefix, is_prefix, shared_blocks
 from gezel_trio.scheduler.slots import Content
 
 __all__ = [
@@ -110,18 +119,31 @@ class ParkingLane(Protocol):
         """False for a model whose restores proved not to take (it erases instead)."""
         ...
 
-    def is_parked(self, session: str | None) -> bool: ...
+    def is_parked(self, session: str | None, prefix: Prefix | None = None) -> bool:
+        """Whether ``session`` has a parked copy to restore for a request of ``prefix``
+        blocks (None: any copy)."""
+        ...
+
+    def parked_blocks(self, session: str | None, prefix: Prefix | None = None) -> Prefix | None:
+        """The blocks of the copy a restore for ``prefix`` would bring back (None: none)."""
+        ...
+
+    def is_current(self, session: str, blocks: Prefix) -> bool:
+        """Whether a parked copy of ``session`` holds exactly ``blocks``."""
+        ...
 
     def note_miss(self) -> None:
         """A keyed job found its session neither in its slot nor parked."""
         ...
 
-    async def park_slot(self, slot_id: int, session: str) -> int:
-        """Save the slot's KV for ``session``: the tokens saved (0: the slot was empty)."""
+    async def park_slot(self, slot_id: int, session: str, blocks: Prefix = ()) -> int:
+        """Save the slot's KV for ``session`` as a copy of ``blocks``: the tokens saved
+        (0: the slot was empty)."""
         ...
 
-    async def unpark_slot(self, slot_id: int, session: str) -> int:
-        """Restore ``session``'s parked KV into the slot: the tokens restored (0: none)."""
+    async def unpark_slot(self, slot_id: int, session: str, prefix: Prefix | None = None) -> int:
+        """Restore ``session``'s parked copy for ``prefix`` into the slot: the tokens
+        restored (0: none)."""
         ...
 
 
@@ -168,7 +190,9 @@ class SchedulerSettings:
     is zero and none of our jobs runs. ``reconcile_interval``: background
     ``/slots`` reconciliation of spawned engines. ``measure_timeout``,
     ``erase_timeout`` and ``park_timeout`` bound one sample, one erase and one
-    save or restore.
+    save or restore. ``save_idle_slots``: save an owner's slot in the background
+    once it has stayed idle ``save_idle_delay`` seconds after its job (with
+    ``kv_parking``), so that a handoff finds its copy current.
     """
 
     residency: Residency = "swap"
@@ -183,6 +207,8 @@ class SchedulerSettings:
     park_timeout: float = 30.0
     reconcile_interval: float = 5.0
     idle_erase_delay: float = 0.1
+    save_idle_slots: bool = True
+    save_idle_delay: float = 0.0
 
     def __post_init__(self) -> None:
         if self.slot_poll <= 0:
@@ -191,11 +217,14 @@ class SchedulerSettings:
             raise ValueError(f"reconcile_interval must be > 0, not {self.reconcile_interval}")
         if self.idle_erase_delay < 0:
             raise ValueError(f"idle_erase_delay must be >= 0, not {self.idle_erase_delay}")
+        if self.save_idle_delay < 0:
+            raise ValueError(f"save_idle_delay must be >= 0, not {self.save_idle_delay}")
 
 
 @dataclass(frozen=True, eq=False, slots=True)
 class _Cleanup:
-    """The pin of a background erase (no job holds the slot meanwhile)."""
+    """The pin of a background erase (no job holds the slot meanwhile), or the mark of a
+    background save."""
 
     model_id: str
     slot: int
@@ -296,6 +325,7 @@ class Scheduler:
         self._measured: dict[str, SlotMeasurement | None] = {}  # samples for the next pass
         self._reconciled_at: dict[str, float] = {}
         self._reconciled_generation: dict[str, int] = {}
+        self._saves: dict[tuple[str, int], trio.Event] = {}  # background saves in flight
 
     def __repr__(self) -> str:
         stats = self._policy.snapshot()
@@ -451,8 +481,8 @@ class Scheduler:
 
     def _release(self, job: _TrioJob) -> None:
         """The caller's block is over (or never started): settle the job. Synchronous,
-        so cancellation cannot interrupt it. A keyless job's slot is erased later,
-        once it has stayed idle."""
+        so cancellation cannot interrupt it. A blind job's slot is erased later, once
+        it has stayed idle; an owner's is saved then (``save_idle_slots``)."""
         if job.state is not JobState.RUNNING:
             return
         self._running.discard(job)
@@ -463,7 +493,6 @@ class Scheduler:
         lane = self._lanes.get(job.model_id)
         if (
             job.ran
-            and job.session is None
             and slot is not None
             and lane is not None
             and self._nursery is not None
@@ -472,7 +501,12 @@ class Scheduler:
             table = policy.table_of(job)
             if slot < len(table):
                 released = table.slots[slot].released
-                self._nursery.start_soon(self._erase_when_idle, job, lane, released)
+                if job.session is None:
+                    self._nursery.start_soon(self._erase_when_idle, job, lane, released)
+                elif self.settings.save_idle_slots and self._parking(lane):
+                    self._nursery.start_soon(
+                        self._save_when_idle, job.model_id, lane, slot, released
+                    )
         self._wake()
 
     @staticmethod
@@ -547,22 +581,55 @@ class Scheduler:
             )
         return result[0]
 
+    def _parking(self, lane: EngineLane | None) -> bool:
+        return self.settings.kv_parking and isinstance(lane, ParkingLane) and lane.parking_enabled
+
+    async def _wait_for_save(self, model_id: str, slot: int) -> None:
+        """Return once no background save is in flight on ``slot`` (at most
+        ``park_timeout``: the save's own bound). Cancellation just stops the wait."""
+        while self._policy.table(model_id).saving(slot) is not None:
+            done = self._saves.get((model_id, slot))
+            if done is None:
+                return
+            with trio.move_on_after(self.settings.park_timeout) as scope:
+                await done.wait()
+            if scope.cancelled_caught:
+                return
+
     async def _prepare_slot(
         self, job: _TrioJob, lane: EngineLane, slot: int
     ) -> tuple[int, bool, int]:
         """Park, restore or erase ``slot`` until it holds only ``job``'s session's KV (or
-        nothing); returns (upstream calls made, erased or restored, tokens restored)."""
+        nothing); returns (upstream calls made, erased or restored, tokens restored
+        that the next completion should reuse: 0 when the restored copy is not a
+        prefix of the request). A background save of the slot is waited for first:
+        its copy is then current, and the handoff skips the save."""
+        await self._wait_for_save(job.model_id, slot)
         calls = 0
         erased = False
         restored = 0
-        parking = (
-            self.settings.kv_parking and isinstance(lane, ParkingLane) and lane.parking_enabled
-        )
+        parking = self._parking(lane)
         restore_failed = False
+        prefix = job.prefix
 
         def is_parked(session: str) -> bool:
-            return not restore_failed and isinstance(lane, ParkingLane) and lane.is_parked(session)
+            return (
+                not restore_failed
+                and isinstance(lane, ParkingLane)
+                and lane.is_parked(session, prefix)
+            )
 
+        def is_current(session: str, blocks: Prefix) -> bool:
+            return isinstance(lane, ParkingLane) and lane.is_current(session, blocks)
+
+        def parked_shares(session: str) -> int | None:
+            if restore_failed or not isinstance(lane, ParkingLane):
+                return None
+            blocks = lane.parked_blocks(session, prefix)
+            return None if blocks is None else shared_blocks(blocks, prefix)
+
+        first_owner = self._policy.table_of(job).owner(slot)
+        handoff = job.session is not None and first_owner not in (None, job.session)
         for _ in range(4):
             self._check_pin(job)
             table = self._policy.table_of(job)
@@ -572,6 +639,9 @@ class Scheduler:
                 erase_on_handoff=self._policy.erase_on_handoff,
                 parking=parking,
                 is_parked=is_parked,
+                prefix=prefix,
+                is_current=is_current,
+                parked_shares=parked_shares,
             )
             owner = table.owner(slot)
             if parking and owner is not None and owner != job.session and prep.park is None:
@@ -580,7 +650,6 @@ class Scheduler:
                 parking
                 and calls == 0
                 and job.session is not None
-                and not job.keyless  # a keyless owner is never parked: no miss
                 and owner != job.session
                 and not prep.restore
             ):
@@ -607,6 +676,12 @@ class Scheduler:
             raise EngineFailed(f"slot {slot} of {job.model_id!r} could not be prepared")
         self._check_pin(job)
         table = self._policy.table_of(job)
+        blocks = table.blocks(slot)
+        if restored and prefix and blocks and not is_prefix(blocks, prefix):
+            restored = 0  # another branch of the conversation: only a part is reused
+        if handoff:
+            self._policy.handoffs += 1
+            self._policy.handoff_calls += calls + 1  # and the request itself
         table.sending(slot, job)
         return calls, erased, restored
 
@@ -615,9 +690,10 @@ class Scheduler:
         (logged and counted: the handoff goes on, that session re-prefills later)."""
         slot = job.slot_id
         assert slot is not None
+        blocks = self._policy.table_of(job).blocks(slot)
         with trio.move_on_after(self.settings.park_timeout):
             try:
-                saved = await lane.park_slot(slot, session)
+                saved = await lane.park_slot(slot, session, blocks)
             except Exception as exc:
                 log.warning("parking %s slot %d failed: %r", job.model_id, slot, exc)
             else:
@@ -633,23 +709,24 @@ class Scheduler:
         return False
 
     async def _restore(self, job: _TrioJob, lane: ParkingLane, session: str) -> int:
-        """Restore the job's own parked KV into its slot (which also replaces whatever
-        the slot held): the tokens restored. 0 when it did not take: the slot is then
-        unknown."""
+        """Restore the job's own parked copy sharing the longest prefix with its request
+        into its slot (which also replaces whatever the slot held): the tokens restored.
+        0 when it did not take: the slot is then unknown."""
         slot = job.slot_id
         assert slot is not None
+        blocks = lane.parked_blocks(session, job.prefix) or ()
         self._policy.table_of(job).sending(slot, job)
         restored = 0
         with trio.move_on_after(self.settings.park_timeout):
             try:
-                restored = await lane.unpark_slot(slot, session)
+                restored = await lane.unpark_slot(slot, session, job.prefix)
             except Exception as exc:
                 log.warning("restoring %s slot %d failed: %r", job.model_id, slot, exc)
         if not restored:
             self._policy.parks_failed += 1
             return 0
         self._check_pin(job)
-        self._policy.table_of(job).restored(slot, job, session)
+        self._policy.table_of(job).restored(slot, job, session, keyless=job.keyless, blocks=blocks)
         self._policy.parks_restored += 1
         return restored
 
@@ -682,16 +759,18 @@ class Scheduler:
         what a planned stop of its engine runs before the SIGTERM. Returns how many
         were saved.
 
-        Each slot is pinned while it is saved (no job can take it meanwhile) and each
-        save has ``park_timeout``; a failed or cut save loses only that session's KV
-        (it re-prefills). Works while the scheduler shuts down too (no tasks needed).
+        Background saves in flight end first (each within ``park_timeout``). Each slot
+        is pinned while it is saved (no job can take it meanwhile) and each save has
+        ``park_timeout``; a failed or cut save loses only that session's KV (it
+        re-prefills). Works while the scheduler shuts down too (no tasks needed).
         Cancellation stops between or inside saves; what was saved stays parked.
         """
         lane = self._lanes.get(model_id)
-        if not (
-            self.settings.kv_parking and isinstance(lane, ParkingLane) and lane.parking_enabled
-        ):
+        if not self._parking(lane):
             return 0
+        assert isinstance(lane, ParkingLane)
+        for key in [key for key in self._saves if key[0] == model_id]:
+            await self._wait_for_save(*key)  # a background save ends first
         table = self._policy.table(model_id)
         generation = table.generation
         saved = 0
@@ -700,10 +779,10 @@ class Scheduler:
             if (
                 entry.content is not Content.OWNED
                 or session is None
-                or entry.keyless  # a keyless owner's KV is never parked
                 or entry.pin is not None
                 or entry.held_out
-                or (entry.parked_current and lane.is_parked(session))
+                or entry.saving is not None
+                or (entry.parked_current and lane.is_current(session, entry.blocks))
             ):
                 continue
             cleanup = _Cleanup(model_id, entry.id)
@@ -711,7 +790,7 @@ class Scheduler:
             try:
                 with trio.move_on_after(self.settings.park_timeout):
                     try:
-                        tokens = await lane.park_slot(entry.id, session)
+                        tokens = await lane.park_slot(entry.id, session, entry.blocks)
                     except Exception as exc:
                         log.warning("parking %s slot %d failed: %r", model_id, entry.id, exc)
                         self._policy.parks_failed += 1
@@ -744,15 +823,23 @@ class Scheduler:
         """Erase every idle slot that holds ``session``'s KV: (erased, busy), where busy
         counts slots a running job of the session holds (not touched). A failed erase
         leaves the slot unknown (erased before its next use), so it is counted erased:
-        the session's KV is never served from it again. Cancellation leaves the slot
-        being erased unknown."""
+        the session's KV is never served from it again. A background save of such a
+        slot ends first, so that the caller's deletion of the parked copies that
+        follows covers it. Cancellation leaves the slot being erased unknown."""
         erased = busy = 0
         for model_id, slot, owner in self.sessions_in_slots():
             if owner != session:
                 continue
             lane = self._lanes.get(model_id)
+            await self._wait_for_save(model_id, slot)  # its copy is then dropped with the rest
             table = self._policy.table(model_id)
-            if lane is None or table.pinned_to(slot) is not None or table.slots[slot].held_out:
+            if lane is None or slot >= len(table) or table.owner(slot) != session:
+                continue
+            if (
+                table.pinned_to(slot) is not None
+                or table.slots[slot].held_out
+                or table.saving(slot) is not None
+            ):
                 busy += 1
                 continue
             cleanup = _Cleanup(model_id, slot)
@@ -811,6 +898,59 @@ class Scheduler:
                 self._policy.erases_after_keyless += 1
         finally:
             self._policy.table_of(job).unpin(slot, cleanup)
+            self._wake()
+
+    async def _save_when_idle(
+        self, model_id: str, lane: EngineLane, slot: int, released: int
+    ) -> None:
+        """Save the KV an owner's job left in ``slot`` once nobody has used the slot for
+        ``save_idle_delay``, unless its parked copy is current already or no handoff
+        is likely (:meth:`SlotTable.handoff_likely`, or another owner waiting). The slot is
+        marked as being saved (not pinned): a job placed on it meanwhile waits for the
+        save (:meth:`_prepare_slot`), and finds the copy current. A failed save is
+        logged and counted (a handoff saves it then). Cancellation (shutdown) cuts the
+        save: the slot keeps its content, its copy not current; the engine's file, if
+        it wrote one, is deleted (:meth:`ModelRuntime.park_slot
+        <gezel_trio.host.runtime.ModelRuntime.park_slot>`)."""
+        await trio.sleep(self.settings.save_idle_delay)
+        table = self._policy.table(model_id)
+        if (
+            not self._parking(lane)
+            or not lane.ready
+            or slot >= len(table)
+            or table.slots[slot].released != released
+        ):
+            return  # used again since (or made fresh by a restart)
+        assert isinstance(lane, ParkingLane)
+        entry = table.slots[slot]
+        if entry.parked_current and lane.is_current(entry.session or "", entry.blocks):
+            return
+        if not (
+            table.handoff_likely(slot) or self._policy.others_waiting(model_id, entry.session)
+        ):
+            return  # a lone owner with clean slots to spare: its handoff may never come
+        mark = _Cleanup(model_id, slot)
+        session = table.begin_save(slot, mark)
+        if session is None:
+            return
+        blocks = entry.blocks
+        self._saves[(model_id, slot)] = done = trio.Event()
+        tokens: int | None = None
+        try:
+            with lane.hold(), trio.move_on_after(self.settings.park_timeout):
+                try:
+                    tokens = await lane.park_slot(slot, session, blocks)
+                except Exception as exc:
+                    log.warning("saving idle %s slot %d failed: %r", model_id, slot, exc)
+        finally:
+            self._policy.table(model_id).end_save(slot, mark, session, tokens=tokens)
+            if tokens is None:
+                self._policy.parks_failed += 1
+            elif tokens:
+                self._policy.parks_idle += 1
+            if self._saves.get((model_id, slot)) is done:
+                del self._saves[(model_id, slot)]
+            done.set()
             self._wake()
 
     # ------------------------------------------------------------------ dispatcher

@@ -290,7 +290,8 @@ class SchedulerStats:
     slot_owners: dict[str, dict[int, str | None]]  # model -> slot -> hashed session|None
     slots: dict[str, dict[str, object]]  # model -> its slot table (contents, pins, held out)
     erases: dict[str, int]  # ok, failed, skipped_same_session, after_keyless
-    parking: dict[str, int]  # saved, save_skipped_current, restored, failed
+    parking: dict[str, int]  # saved, save_skipped_current, restored, failed, saved_idle,
+    # handoffs, handoff_calls (upstream calls of those handoffs, their requests included)
     pool: dict[str, int]  # failovers (moved off a down member), pooled (taken by a sibling)
     admissions: int
     reconciliations: int
@@ -379,20 +380,25 @@ def choose_slot(
     every one of them holds another of the owner's conversations (their blocks
     diverge from the request's), a fresh or clean slot goes first, so that the
     other conversation stays, then the owner's slot sharing the most blocks
-    (least recently used first). Otherwise the cheapest handoff
+    (least recently used first); its KV is parked first and the owner's parked
+    copy sharing the most blocks restored when that shares more
+    (:meth:`SlotTable.preparation`). Otherwise the cheapest handoff
     (:meth:`SlotTable.handoff_cost`: a blind job takes a blind job's slot first,
     an owner's job a clean slot, and displacing another owner's KV comes last),
+    then one not being saved in the background (a job there waits for the save),
     then one whose owner has no job waiting in this turn (``wanted`` says which
-    owners do), least recently used first, then the lowest id. ``None`` when
-    ``free`` is empty.
+    owners do), least recently used first, then the lowest id. An owner's own
+    slot that its request continues is taken even while it is being saved. ``None``
+    when ``free`` is empty.
     """
     if not free:
         return None
 
-    def cost(slot: int) -> tuple[int, bool, int, int]:
+    def cost(slot: int) -> tuple[int, bool, bool, int, int]:
         owner = table.owner(slot)
         return (
             table.handoff_cost(slot, session),
+            table.saving(slot) is not None,
             owner is not None and wanted(owner),
             table.last_used(slot),
             slot,
@@ -748,6 +754,9 @@ class SchedulerPolicy:
         self.parks_skipped = 0  # the parked copy was still current
         self.parks_restored = 0
         self.parks_failed = 0
+        self.parks_idle = 0  # saved in the background once the slot went idle
+        self.handoffs = 0  # owner jobs placed on another owner's slot
+        self.handoff_calls = 0  # upstream calls those made: park, restore, erase, request
         self.reconciliations = 0
         self.held_out = 0  # slots found busy with work the host did not send
         self.failovers = 0  # queued jobs moved off a member that went down
@@ -858,6 +867,11 @@ class SchedulerPolicy:
             self._groups[self._last_turn].last_turn = self._last_turn
 
     # ------------------------------------------------------------------ queue
+
+    def others_waiting(self, model_id: str, session: str | None) -> bool:
+        """Whether a job of an owner other than ``session`` waits for ``model_id``."""
+        model = self._models.get(model_id)
+        return model is not None and any(job.session != session for job in model.queue)
 
     @property
     def queued(self) -> int:
@@ -1472,6 +1486,9 @@ class SchedulerPolicy:
                 "save_skipped_current": self.parks_skipped,
                 "restored": self.parks_restored,
                 "failed": self.parks_failed,
+                "saved_idle": self.parks_idle,
+                "handoffs": self.handoffs,
+                "handoff_calls": self.handoff_calls,
             },
             pool={"failovers": self.failovers, "pooled": self.pooled},
             admissions=self.admissions,

@@ -9,9 +9,9 @@ An *owner* is what the API layer hands the scheduler as a job's ``session``: a
 caller's named session, or (``[scheduler] keyless = "shared"``) the caller's
 *keyless owner*, which all of that caller's keyless requests share
 (:meth:`gezel_trio.sessions.SessionKeys.keyless`). Both are owners like any
-other: KV never crosses from one to another. A keyless owner's KV is never
-parked, only erased on handoff (see :meth:`SlotTable.preparation`). In
-``"blind"`` mode a keyless request has no owner (``session`` None).
+other: KV never crosses from one to another, and each is parked and restored
+alike (see :meth:`SlotTable.preparation`). In ``"blind"`` mode a keyless request
+has no owner (``session`` None).
 
 Each slot has a *content*:
 
@@ -37,8 +37,19 @@ an erase. What it leaves (``KEYLESS``) is erased before an owner's job uses the
 slot, and in the background once the slot has stayed idle.
 
 An ``OWNED`` slot also records the *prefix blocks* of the last request that ran
-on it (:mod:`.prefix`; ``()`` when unknown), so that the scheduler can send an
-owner's request to the slot it continues. Blocks decide placement only.
+on it, or of the parked copy restored into it (:mod:`.prefix`; ``()`` when
+unknown), so that the scheduler can send an owner's request to the slot it
+continues. Blocks decide placement only. An owner may hold several
+conversations: in its slots and in parked copies (one per conversation, each
+with its blocks). A request of an owner whose slot holds another of its
+conversations gets that one parked first (unless its copy is current) and its
+own parked copy restored when that shares more blocks with it.
+
+A slot may be *being saved* (``saving``): a background save of its owner's KV,
+started once the slot went idle, so that a later handoff finds its parked copy
+current and skips the save. The slot is not pinned meanwhile (a request of its
+owner may still be placed on it), but nothing is sent to it until the save ends:
+the dispatcher makes a job pinned to it wait. A save changes no content.
 
 A *pin* (the job holding a slot) is separate from content. Pins survive an
 engine restart (:meth:`SlotTable.sync` makes every slot ``FRESH``, and a pinned
@@ -56,7 +67,7 @@ import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from gezel_trio.scheduler.prefix import Prefix
+from gezel_trio.scheduler.prefix import Prefix, is_prefix, shared_blocks
 from gezel_trio.sessions import session_hash
 
 __all__ = ["Content", "Preparation", "SlotEntry", "SlotTable", "SlotTableStats"]
@@ -83,12 +94,14 @@ class SlotEntry:
     parked_current: bool = False
     """The owner's parked copy (KV parking) equals the slot's content: no save needed."""
     keyless: bool = False
-    """The owner is a caller's keyless owner: its KV is erased, never parked, on handoff."""
+    """The owner is a caller's keyless owner (parked and restored like any owner)."""
     blocks: Prefix = ()
     """Prefix blocks of the last request that ran on it (``()``: unknown)."""
     last_used: int = 0
     released: int = 0
     """The table's tick when the slot was last unpinned (for reconciliation races)."""
+    saving: object | None = None
+    """The background save in flight on this slot (None: none); see :meth:`SlotTable.begin_save`."""
 
     def hold(
         self,
@@ -213,6 +226,7 @@ class SlotTable:
                         blocks=entry.blocks,
                     )
                     new.held_out = entry.held_out
+                    new.saving = entry.saving
             elif entry.pin is not None:
                 lost.append(entry.pin)
         return lost
@@ -280,6 +294,24 @@ class SlotTable:
         """True when some slot owns ``session``'s KV (O(slots))."""
         return any(e.content is Content.OWNED and e.session == session for e in self.slots)
 
+    def handoff_likely(self, slot: int) -> bool:
+        """Whether ``slot`` may soon change hands, so that saving its KV ahead of time
+        pays: another slot holds a different owner's or a keyless job's KV, or no slot
+        is left fresh or clean for a newcomer. A lone owner with clean slots to spare
+        is never handed off, and saving its every turn would only cost it time."""
+        session = self.slots[slot].session
+        for entry in self.slots:
+            if entry.id == slot:
+                continue
+            if entry.content in (Content.FRESH, Content.CLEAN):
+                return any(
+                    other.content is Content.KEYLESS
+                    or (other.content is Content.OWNED and other.session != session)
+                    for other in self.slots
+                    if other.id != slot
+                )
+        return True
+
     def holders(self) -> dict[str, list[int]]:
         """Session -> the slots whose KV it owns, most recently used first."""
         out: dict[str, list[int]] = {}
@@ -296,37 +328,55 @@ class SlotTable:
         erase_on_handoff: bool = True,
         parking: bool = False,
         is_parked: Callable[[str], bool] = lambda _s: False,
+        prefix: Prefix = (),
+        is_current: Callable[[str, Prefix], bool] | None = None,
+        parked_shares: Callable[[str], int | None] | None = None,
     ) -> Preparation:
         """What a job of ``session`` needs done to ``slot`` before it runs (no I/O).
 
         With ``parking``: the outgoing owner's KV is saved first unless its parked
-        copy is current (a keyless owner's never is: it is only erased), and the
-        job's own parked KV is restored in place of an erase. A blind job
-        (``session`` None) needs no erase, only the park of a session it
-        displaces. ``erase_on_handoff`` off (a benchmark baseline) skips the erase
-        of another owner's or a blind job's KV, never of ``UNKNOWN``.
+        copy is current, and the job's own parked KV is restored in place of an
+        erase. A blind job (``session`` None) needs no erase, only the park of a
+        session it displaces. ``erase_on_handoff`` off (a benchmark baseline) skips
+        the erase of another owner's or a blind job's KV, never of ``UNKNOWN``.
+
+        ``is_parked(session)``: the job's owner has a parked copy it may restore (for
+        this request). ``is_current(owner, blocks)``: a parked copy of ``owner`` holds
+        exactly ``blocks`` (default: ``is_parked(owner)``). ``prefix``: the request's
+        blocks; ``parked_shares(session)``: how many of them the copy a restore would
+        bring back shares (None: none). With both, a slot of the job's own owner
+        that holds another of its conversations (its blocks diverge from
+        ``prefix``) has that one parked first (unless current), and the job's copy
+        restored when it shares more blocks than the slot does.
         """
         entry = self.slots[slot]
         owner = entry.session if entry.content is Content.OWNED else None
+
+        def current(who: str) -> bool:
+            return is_current(who, entry.blocks) if is_current is not None else is_parked(who)
+
         # The owner's copy needs saving unless it is current and still on disk.
-        stale = (
-            owner is not None
-            and not entry.keyless
-            and not (entry.parked_current and is_parked(owner))
-        )
+        stale = owner is not None and not (entry.parked_current and current(owner))
         if session is None:
             return Preparation(park=owner) if parking and stale else NOTHING_TO_PREPARE
         if entry.safe_for(session):
+            if not parking:
+                return NOTHING_TO_PREPARE
+            if entry.content is not Content.OWNED:
+                return Preparation(restore=True) if is_parked(session) else NOTHING_TO_PREPARE
             if (
-                parking
-                and session is not None
-                and entry.content is not Content.OWNED
-                and is_parked(session)
+                parked_shares is None
+                or not entry.blocks
+                or not prefix
+                or is_prefix(entry.blocks, prefix)
             ):
-                return Preparation(restore=True)
-            return NOTHING_TO_PREPARE
+                return NOTHING_TO_PREPARE  # the request continues what the slot holds
+            # The slot holds another conversation of the job's owner.
+            shares = parked_shares(session)
+            restore = shares is not None and shares > shared_blocks(entry.blocks, prefix)
+            return Preparation(park=session if stale else None, restore=restore)
         park = owner if parking and stale else None
-        if parking and session is not None and is_parked(session):
+        if parking and is_parked(session):
             return Preparation(park=park, restore=True)
         if not erase_on_handoff and entry.content is not Content.UNKNOWN:
             return Preparation(park=park)
@@ -341,19 +391,76 @@ class SlotTable:
         """The engine acknowledged an erase of ``slot`` sent by ``job``."""
         self._pinned(slot, job).hold(Content.CLEAN)
 
-    def restored(self, slot: int, job: object, session: str) -> None:
-        """The engine acknowledged a restore of ``session``'s parked KV into ``slot``."""
-        self._pinned(slot, job).hold(Content.OWNED, session, parked_current=True)
+    def restored(
+        self,
+        slot: int,
+        job: object,
+        session: str,
+        *,
+        keyless: bool = False,
+        blocks: Prefix = (),
+    ) -> None:
+        """The engine acknowledged a restore of ``session``'s parked copy (of ``blocks``)
+        into ``slot``: the slot holds that copy, which is current."""
+        self._pinned(slot, job).hold(
+            Content.OWNED, session, parked_current=True, keyless=keyless, blocks=blocks
+        )
 
     def parked(self, slot: int, job: object, session: str) -> None:
-        """``session``'s KV in ``slot`` was saved (acknowledged): its parked copy is current,
-        and no longer that of any other slot of ``session`` (the save replaced it)."""
-        entry = self._pinned(slot, job)
+        """``session``'s KV in ``slot`` was saved (acknowledged) by ``job``: see
+        :meth:`_saved`."""
+        self._saved(self._pinned(slot, job), session)
+
+    def _saved(self, entry: SlotEntry, session: str) -> None:
+        """``session``'s KV in ``entry`` was saved: its parked copy is current, and the
+        copies it replaced (those it continues, see :meth:`KvStore.put
+        <gezel_trio.kvstore.KvStore.put>`) are no longer any other slot's."""
         if entry.content is Content.OWNED and entry.session == session:
             for other in self.slots:
-                if other.session == session:
+                if other.session == session and (
+                    not other.blocks or is_prefix(other.blocks, entry.blocks)
+                ):
                     other.parked_current = False
             entry.parked_current = True
+
+    # ------------------------------------------------------------------ background saves
+
+    def begin_save(self, slot: int, token: object) -> str | None:
+        """Mark ``slot`` as being saved by ``token`` (a background save): returns the owner
+        whose KV to save, or None when the slot is not an idle owned slot (pinned, held
+        out, already being saved, or holding no owner's KV): then nothing is marked."""
+        if not 0 <= slot < len(self.slots):
+            return None
+        entry = self.slots[slot]
+        if (
+            entry.pin is not None
+            or entry.held_out
+            or entry.saving is not None
+            or entry.content is not Content.OWNED
+            or entry.session is None
+        ):
+            return None
+        entry.saving = token
+        return entry.session
+
+    def saving(self, slot: int) -> object | None:
+        """The background save in flight on ``slot`` (None: none)."""
+        return self.slots[slot].saving if 0 <= slot < len(self.slots) else None
+
+    def end_save(self, slot: int, token: object, session: str, *, tokens: int | None) -> None:
+        """``token``'s background save of ``slot`` ended: ``tokens`` saved (None: it failed
+        or was cut; 0: the engine says the slot is empty). A no-op when the slot is no
+        longer the one ``token`` marked (the engine restarted)."""
+        if not 0 <= slot < len(self.slots) or self.slots[slot].saving is not token:
+            return
+        entry = self.slots[slot]
+        entry.saving = None
+        if tokens is None:
+            return
+        if tokens:
+            self._saved(entry, session)
+        elif entry.content is Content.OWNED and entry.session == session and entry.pin is None:
+            entry.hold(Content.CLEAN)
 
     def completed(
         self,
@@ -401,7 +508,7 @@ class SlotTable:
         newly: list[int] = []
         for entry in self.slots:
             if entry.id in busy_ids:
-                if entry.pin is None and entry.released <= sampled_at:
+                if entry.pin is None and entry.saving is None and entry.released <= sampled_at:
                     if not entry.held_out:
                         newly.append(entry.id)
                     entry.held_out = True

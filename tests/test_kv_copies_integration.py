@@ -1,0 +1,212 @@
+"""Several parked copies per owner, keyless owners parked, and saves off the critical
+path, against a real llama-server.
+
+Each test measures the engine's own truth first (a conversation's next turn on a
+slot that kept it: ``usage.prompt_tokens_details.cached_tokens``) and checks that the
+host gives a returning conversation exactly that after its slot was taken, and
+another owner nothing. Waits are on conditions (the scheduler's counters), never on
+the clock.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+from gezel_trio.config import ModelConfig
+from gezel_trio.engine.binary import EngineBinary
+from gezel_trio.host import Host
+
+from .conftest import make_config, running
+from .fault_tools import wait_nothing_held, wait_until
+
+CHAT_PATH = "/v1/chat/completions"
+KEY_ANN, KEY_BEA = "sk-ann-0123456789abcdef", "sk-bea-0123456789abcdef"
+TEXT = " ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(12))
+
+
+def _conversation(system: str, turns: int) -> list[dict[str, str]]:
+    """A conversation of ``turns`` user turns (fixed assistant answers in between)."""
+    messages = [{"role": "system", "content": system}]
+    for i in range(turns):
+        if i:
+            messages.append({"role": "assistant", "content": f"Noted, part {i}."})
+        messages.append({"role": "user", "content": f"Part {i}. {TEXT}"})
+    return messages
+
+
+MAIN = "You are the main agent. Plan the work and delegate it. " * 4
+SUB = "You are a sub-agent that only searches files and reports back. " * 4
+
+
+def _config(tiny_model: Path, state_dir: Path, engine_binary: EngineBinary, **sections: Any) -> Any:
+    return make_config(
+        [ModelConfig(id="tiny", path=str(tiny_model), parallel=1, ctx_per_slot=2048)],
+        state_dir=state_dir,
+        engine_binary=engine_binary,
+        **sections,
+    )
+
+
+async def _turn(
+    host: Host,
+    client: httpx.AsyncClient,
+    messages: list[dict[str, str]],
+    *,
+    session: str | None = None,
+    api_key: str | None = None,
+) -> tuple[int, list[str]]:
+    """One chat turn: (its cached tokens as the engine reports them, the upstream calls
+    the host sent for it, up to and including its completion)."""
+    upstream = host.models["tiny"].client
+    since = upstream.recent[-1].seq if upstream.recent else 0
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "messages": messages,
+        "temperature": 0,
+        "max_tokens": 2,
+    }
+    if session is not None:
+        body["prompt_cache_key"] = session
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    resp = await client.post(CHAT_PATH, json=body, headers=headers)
+    assert resp.status_code == 200, resp.text
+    await wait_nothing_held(host)
+    calls = [c.action for c in upstream.recent if c.seq > since and c.action != "slots"]
+    cached = int(resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    return cached, calls[: calls.index(CHAT_PATH) + 1]
+
+
+def _parking(host: Host) -> dict[str, int]:
+    assert host.scheduler is not None
+    return dict(host.scheduler.statistics().parking)
+
+
+async def _slot_saved(host: Host) -> None:
+    """Wait until the background save of the one slot has ended with its copy current."""
+    assert host.scheduler is not None
+    table = host.scheduler.policy.table("tiny")
+    await wait_until(
+        lambda: table.slots[0].parked_current and table.slots[0].saving is None,
+        within=30.0,
+        what="the slot saved in the background",
+    )
+
+
+async def _truth(host: Host, client: httpx.AsyncClient, system: str, **kw: Any) -> int:
+    """The engine's truth: turn 2 of a conversation on a slot that kept turn 1."""
+    await _turn(host, client, _conversation(system, 1), **kw)
+    cached, _ = await _turn(host, client, _conversation(system, 2), **kw)
+    assert cached > 0
+    return cached
+
+
+async def test_one_session_keeps_two_conversations_and_gets_each_back(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    """An agent and its sub-agent under one session id (other system prompts), on one
+    slot: each turn of one displaces the other, which is parked, and each comes back
+    with exactly the cached tokens the engine gives a conversation that kept its slot."""
+    cfg = _config(tiny_model, state_dir, engine_binary)
+    with trio.fail_after(240):
+        async with running(cfg) as (host, client):
+            main_truth = await _truth(host, client, MAIN, session="ref-main")
+            sub_truth = await _truth(host, client, SUB, session="ref-sub")
+            await _turn(host, client, _conversation(MAIN, 1), session="agent")
+            await _turn(host, client, _conversation(SUB, 1), session="agent")
+            for turns in (2, 3):
+                # the other conversation of the session was parked; this one restored
+                cached, calls = await _turn(
+                    host, client, _conversation(MAIN, turns), session="agent"
+                )
+                assert "restore" in calls
+                if turns == 2:
+                    assert cached == main_truth
+                else:
+                    assert cached >= main_truth
+                cached, calls = await _turn(
+                    host, client, _conversation(SUB, turns), session="agent"
+                )
+                assert "restore" in calls
+                if turns == 2:
+                    assert cached == sub_truth
+                else:
+                    assert cached >= sub_truth
+            kv = host.models["tiny"].statistics().kv_parking
+            assert kv["ineffective"] == 0 and kv["hits"] >= 4
+            assert host.kv is not None
+            copies = host.kv.copies(
+                "tiny", host.sessions.session(host.sessions.caller(None), "agent")
+            )
+            assert len(copies) == 2  # one copy per conversation, each its latest turn
+            assert len({c.blocks[0] for c in copies}) == 2
+            # another session with the same conversation gets none of it
+            cached, _ = await _turn(host, client, _conversation(MAIN, 3), session="stranger")
+            assert cached == 0
+
+
+async def test_a_keyless_owners_conversation_survives_another_callers_request(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    """``keyless = "shared"``: Ann's keyless chat is parked when Bea's keyless request
+    takes the one slot (Bea, with Ann's very conversation, gets 0 cached tokens), and
+    restored when Ann returns, with the engine's own cached tokens."""
+    cfg = _config(
+        tiny_model,
+        state_dir,
+        engine_binary,
+        server={"api_keys": [KEY_ANN, KEY_BEA]},
+        scheduler={"keyless": "shared"},
+    )
+    with trio.fail_after(240):
+        async with running(cfg) as (host, client):
+            truth = await _truth(host, client, MAIN, session="ref", api_key=KEY_ANN)
+            await _turn(host, client, _conversation(MAIN, 1), api_key=KEY_ANN)
+            cached, calls = await _turn(host, client, _conversation(MAIN, 2), api_key=KEY_BEA)
+            assert cached == 0 and "restore" not in calls
+            cached, calls = await _turn(host, client, _conversation(MAIN, 2), api_key=KEY_ANN)
+            assert "restore" in calls
+            assert cached == truth
+            assert host.models["tiny"].kv_stats.saves >= 2  # Ann's and Bea's
+            assert _parking(host)["handoffs"] >= 3
+
+
+async def test_a_keyed_handoff_after_an_idle_turn_makes_two_upstream_calls(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    """The outgoing chat's save happens in the background once its turn ended: the
+    handoff sends only the incoming chat's restore (or the slot's erase) and its
+    request. Without background saves the same handoff makes 3 calls."""
+    for background, per_handoff in ((False, 3), (True, 2)):
+        state = state_dir / ("bg" if background else "fg")
+        state.mkdir()
+        cfg = _config(tiny_model, state, engine_binary, scheduler={"save_idle_slots": background})
+        with trio.fail_after(240):
+            async with running(cfg) as (host, client):
+                truth = await _truth(host, client, MAIN, session="ref")
+                await _turn(host, client, _conversation(MAIN, 1), session="A")
+                if background:
+                    await _slot_saved(host)
+                before = _parking(host)
+                _, calls = await _turn(host, client, _conversation(SUB, 1), session="B")
+                assert calls == (
+                    ["erase", CHAT_PATH] if background else ["save", "erase", CHAT_PATH]
+                )
+                if background:
+                    await _slot_saved(host)
+                cached, calls = await _turn(host, client, _conversation(MAIN, 2), session="A")
+                assert calls == (
+                    ["restore", CHAT_PATH] if background else ["save", "restore", CHAT_PATH]
+                )
+                assert cached == truth
+                after = _parking(host)
+                handoffs = after["handoffs"] - before["handoffs"]
+                assert handoffs == 2
+                assert after["handoff_calls"] - before["handoff_calls"] == per_handoff * handoffs
+                if background:
+                    assert after["save_skipped_current"] - before["save_skipped_current"] == 2
+                    assert after["saved"] == before["saved"]  # no save at a handoff
+                    assert after["saved_idle"] - before["saved_idle"] >= 1  # B's
