@@ -114,6 +114,11 @@ BENCHES = (
         ),
     ),
     Bench(
+        "replica_affinity",
+        _module("replica_affinity", "--conversations", "8", "--repeats", "3"),
+        _module("replica_affinity", "--conversations", "4", "--turns", "4"),
+    ),
+    Bench(
         "hostile_connections",
         _module("hostile_connections"),
         _module("hostile_connections", "--quick"),

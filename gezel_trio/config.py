@@ -121,6 +121,10 @@ class SchedulerConfig:
     cache kept in its slots, erased before another owner uses them); ``blind``,
     no owner (sent with ``cache_prompt`` off); ``conversation``, one owner per keyless
     conversation, found by how it opens, and parked like a named chat."""
+    prefix_load_bound: int = 2
+    """A replicated model's request goes to the member holding the longest prefix of its
+    owner's KV unless that member's load (jobs queued and running) exceeds the least
+    loaded member's by more than this; then to the least loaded."""
 
 
 @dataclass
@@ -453,6 +457,11 @@ def config_problems(
         "expected seconds >= 0 (0: off)",
     )
     check(cfg.scheduler.max_queue >= 1, "scheduler.max_queue", "expected at least 1")
+    check(
+        cfg.scheduler.prefix_load_bound >= 0,
+        "scheduler.prefix_load_bound",
+        f"expected 0 or more, got {cfg.scheduler.prefix_load_bound}",
+    )
     check(
         cfg.scheduler.slot_poll > 0,
         "scheduler.slot_poll",

@@ -13,6 +13,16 @@ public id names the set: requests for it are routed to one member by
   unhealthy moves to another, where it re-prefills (counted as ``moved``);
 - a keyless request goes to the least-loaded healthy member, and so does a new session
   (ties: the member given the fewest sessions);
+- then, once the request's prefix blocks are known (:meth:`ReplicaRouter.by_prefix`), a
+  request of an owner (a named session or a caller's keyless owner) goes to the member
+  holding the longest prefix of it among the owner's KV, in a slot or parked (the
+  router's :class:`~gezel_trio.scheduler.prefix_index.PrefixIndex`, recorded as each
+  request completes), unless that member's load exceeds the least-loaded member's by
+  more than ``[scheduler] prefix_load_bound`` (then the least loaded: ``shed``). This is
+  the cache-aware routing of SGLang's router, scoped by owner. With no prefix held
+  anywhere the choice above stands, except that a keyless request picks, among the
+  least-loaded members, the one holding the fewest cached prefixes (a miss goes where
+  it displaces the least, as SGLang's router sends it to the smallest tree);
 - a member whose engine has failed is left out until it is ready again; when every
   member is unhealthy, the least-loaded one is tried (its error then says why).
 
@@ -26,14 +36,30 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .config import ModelConfig
+from .scheduler.prefix import Prefix
+from .scheduler.prefix_index import PrefixIndex
 
-__all__ = ["MemberView", "ReplicaRouter", "expand_replicas", "member_id"]
+__all__ = [
+    "KvPlace",
+    "MemberView",
+    "PrefixCounts",
+    "PrefixRoute",
+    "ReplicaRouter",
+    "expand_replicas",
+    "member_id",
+]
 
 MAX_AFFINITIES = 100_000
+MAX_PREFIX_PLACES = 65_536
+"""Places (slots and parked copies, over every owner) a router's prefix index keeps."""
+MAX_PREFIX_BLOCKS = 1_048_576
+"""Prefix blocks a router's index keeps over every place."""
+VALIDATE_TRIES = 4
+"""How many stale index entries one routing drops before it gives up on the index."""
 
 
 def member_id(model_id: str, index: int) -> str:
@@ -80,10 +106,58 @@ class MemberView:
     """It holds the request's session's KV (in a slot or parked)."""
 
 
+@dataclass(frozen=True, slots=True)
+class KvPlace:
+    """Where an owner's KV is on a member: slot ``slot``, or (``slot`` None) the parked
+    copy of owner ``parked`` (one per member and owner)."""
+
+    member: str
+    slot: int | None = None
+    parked: str | None = None
+
+
+def _member_of(place: Hashable) -> Hashable:
+    return place.member if isinstance(place, KvPlace) else None
+
+
+@dataclass(slots=True)
+class PrefixCounts:
+    """One member's prefix routing: requests sent to it because it held their longest
+    prefix (``hits``, and the ``blocks`` those matched), requests with a prefix that
+    it got with none held anywhere (``misses``), and hits it did not get because its
+    load was over the bound (``shed``)."""
+
+    hits: int = 0
+    misses: int = 0
+    shed: int = 0
+    blocks: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"hits": self.hits, "misses": self.misses, "shed": self.shed, "blocks": self.blocks}
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixRoute:
+    """What :meth:`ReplicaRouter.by_prefix` decided: the member, the place holding the
+    request's longest prefix (None: none), how many blocks it holds, and whether the
+    request goes there (``hit``; False with a ``place``: shed for load)."""
+
+    member: str
+    place: KvPlace | None = None
+    blocks: int = 0
+    hit: bool = False
+
+
 class ReplicaRouter:
     """Routes one replicated model's requests to its members. Plain state, no I/O."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, *, max_places: int = MAX_PREFIX_PLACES, max_blocks: int = MAX_PREFIX_BLOCKS
+    ) -> None:
+        self.index = PrefixIndex(max_places=max_places, max_blocks=max_blocks, group=_member_of)
+        """Per owner, which member's slots and parked copies hold which prefixes."""
+        self.prefix: dict[str, PrefixCounts] = {}
+        """Per member, its prefix routing counts."""
         self._affinity: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._assigned: collections.Counter[str] = collections.Counter()
         """Sessions each member was last given (new sessions go where fewer are)."""
@@ -161,11 +235,104 @@ class ReplicaRouter:
         self.routed[member] = self.routed.get(member, 0) + 1
         self._assign(session, member, last)
 
+    def by_prefix(
+        self,
+        members: Sequence[MemberView],
+        owner: str,
+        prefix: Prefix,
+        *,
+        current: str,
+        session: str | None,
+        bound: int,
+        held: Callable[[KvPlace], Prefix | None],
+        parked: Mapping[str, int] | None = None,
+        avoid: Collection[str] = (),
+    ) -> PrefixRoute:
+        """Where a request of ``owner`` with blocks ``prefix`` goes, now that they are
+        known; ``current`` is the member :meth:`choose` gave it (for ``session``, its
+        routed session: None for a keyless owner's request).
+
+        The healthy member (not in ``avoid``) whose place holds the longest prefix of
+        ``prefix`` among ``owner``'s, unless its load exceeds the least-loaded
+        member's by more than ``bound`` (then the least loaded); with no prefix held
+        anywhere, ``current`` (for a keyless request: among the least loaded, the
+        member holding the fewest places). ``held(place)`` says what a slot place
+        holds of ``owner`` now (None: nothing); the index is corrected from it before
+        it is trusted. ``parked``: per member, how many leading blocks of ``prefix``
+        its best parked copy of ``owner``'s holds (a slot wins a tie: no restore). A
+        move away from ``current`` is booked as :meth:`rehome` books a session's (or,
+        keyless, in ``routed``)."""
+        by_id = {m.id: m for m in members}
+        usable = [m for m in members if m.id not in avoid] or list(members)
+        healthy = [m for m in usable if m.healthy] or usable
+        ids = {m.id for m in healthy}
+        least = min(healthy, key=lambda m: (m.load, self.index.count(m.id), m.id))
+        place: KvPlace | None = None
+        n = 0
+        for _ in range(VALIDATE_TRIES):
+            found, n = self.index.longest(
+                owner, prefix, take=lambda p: isinstance(p, KvPlace) and p.member in ids
+            )
+            if not isinstance(found, KvPlace):
+                place, n = None, 0
+                break
+            now = held(found)
+            if now == self.index.blocks_of(found):
+                place = found
+                break
+            # The index was stale (an engine restart, a slot handed to a blind job, a
+            # slot parked): correct it and look again.
+            if now is None:
+                self.index.forget(found)
+            else:
+                self.index.record(owner, found, now)
+            place, n = None, 0
+        for member, shared in (parked or {}).items():
+            if member in ids and shared > n:
+                place, n = KvPlace(member, None, owner), shared
+        if place is not None:
+            holder = by_id[place.member]
+            if holder.load - least.load > bound:
+                chosen, hit = least.id, False
+                self._counts(holder.id).shed += 1
+            else:
+                chosen, hit = holder.id, True
+                counts = self._counts(holder.id)
+                counts.hits += 1
+                counts.blocks += n
+        else:
+            chosen, hit = (least.id if session is None else current), False
+            self._counts(chosen).misses += 1
+        if chosen != current:
+            if session is not None:
+                self.rehome(session, chosen, lost_kv=False)
+            else:
+                self.routed[current] = self.routed.get(current, 1) - 1
+                self.routed[chosen] = self.routed.get(chosen, 0) + 1
+        return PrefixRoute(chosen, place, n, hit)
+
+    def record(self, owner: str, place: KvPlace, blocks: Prefix) -> None:
+        """A request of ``owner`` with blocks ``blocks`` completed at ``place``: it
+        holds them now (and nothing of any other owner's)."""
+        self.index.record(owner, place, blocks)
+
+    def forget_member(self, member: str) -> int:
+        """``member`` holds nothing any more (its engine restarted or went away)."""
+        return self.index.forget_where(lambda p: isinstance(p, KvPlace) and p.member == member)
+
+    def _counts(self, member: str) -> PrefixCounts:
+        counts = self.prefix.get(member)
+        if counts is None:
+            counts = self.prefix[member] = PrefixCounts()
+        return counts
+
     def member_of(self, session: str) -> str | None:
         """The member ``session`` was last sent to (None: never routed)."""
         return self._affinity.get(session)
 
     def statistics(self) -> dict[str, object]:
+        hits = sum(c.hits for c in self.prefix.values())
+        found = hits + sum(c.shed for c in self.prefix.values())
         return {
             "routed": dict(self.routed),
             "moved": self.moved,
@@ -173,4 +340,7 @@ class ReplicaRouter:
             "returns": self.returns,
             "kept": self.kept,
             "affinity_hit_rate": round(self.kept / self.returns, 4) if self.returns else None,
+            "prefix": {member: counts.as_dict() for member, counts in self.prefix.items()},
+            "prefix_hit_rate": round(hits / found, 4) if found else None,
+            "prefix_index": self.index.statistics().as_dict(),
         }

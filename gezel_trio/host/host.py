@@ -50,8 +50,9 @@ from ..gpu.ledger import (
 )
 from ..gpu.probe import NvmlProbe, Probe
 from ..kvstore import KvStore, default_budget
-from ..replicas import MemberView, ReplicaRouter
+from ..replicas import KvPlace, MemberView, ReplicaRouter
 from ..scheduler import (
+    Content,
     Grant,
     JobKind,
     Prefix,
@@ -60,6 +61,7 @@ from ..scheduler import (
     SlotRequest,
     open_scheduler,
 )
+from ..scheduler.prefix import shared_blocks
 from ..sessions import SessionKeys
 from .activity import Activity
 from .calibration import CalibrationBook, Calibrator, calibrate, serve_calibration
@@ -202,6 +204,13 @@ class Host:
         avoid: Collection[str],
     ) -> ModelRuntime:
         router = self.routers.setdefault(model_id, ReplicaRouter())
+        chosen = router.choose(self._member_views(members, session), session, avoid=avoid)
+        return self.models[chosen]
+
+    def _member_views(self, members: list[ModelRuntime], session: str | None) -> list[MemberView]:
+        """What the router needs of each member now: health, load (jobs running and
+        waiting on it, and requests in flight on its engine), and whether it holds
+        ``session``'s KV."""
         stats = self.scheduler.statistics() if self.scheduler is not None else None
         views = []
         for rt in members:
@@ -213,8 +222,57 @@ class Host:
             if self.scheduler is not None and self.scheduler.policy.is_down(rt.id):
                 healthy = False  # its load failed or it cannot be reached: until revived
             views.append(MemberView(rt.id, healthy, load, holds))
-        chosen = router.choose(views, session, avoid=avoid)
-        return self.models[chosen]
+        return views
+
+    def _route_by_prefix(
+        self, public: str, runtime: ModelRuntime, *, owner: str, keyless: bool, prefix: Prefix
+    ) -> tuple[ModelRuntime, bool]:
+        """The member a request of ``owner`` with blocks ``prefix`` goes to, now that
+        they are known (``runtime``: the member :meth:`resolve_model` chose), and
+        whether it goes there because that member holds a prefix of it (see
+        :meth:`ReplicaRouter.by_prefix`). Plain state, no I/O."""
+        router = self.routers.setdefault(public, ReplicaRouter())
+        members = self.replica_members(public)
+        session = None if keyless else owner
+        route = router.by_prefix(
+            self._member_views(members, session),
+            owner,
+            prefix,
+            current=runtime.id,
+            session=session,
+            bound=self.config.scheduler.prefix_load_bound,
+            held=lambda place: self._held_blocks(place, owner, router),
+            parked={rt.id: self._parked_blocks(rt.id, owner, prefix) for rt in members},
+        )
+        return self.models.get(route.member, runtime), route.hit
+
+    def _held_blocks(self, place: KvPlace, owner: str, router: ReplicaRouter) -> Prefix | None:
+        """What ``place`` (a member's slot) holds of ``owner`` now, from the member's slot
+        table: its blocks, or None when the slot holds nothing of ``owner``'s. A slot a
+        request is being sent to (content unknown while pinned) keeps what the index
+        says: it is the owner's request that last recorded it, finishing."""
+        if self.scheduler is None or place.slot is None:
+            return None
+        try:
+            table = self.scheduler.policy.table(place.member)
+        except KeyError:
+            return None
+        if place.slot >= len(table):
+            return None
+        if table.owner(place.slot) == owner:
+            return table.blocks(place.slot)
+        if table.content(place.slot) is Content.UNKNOWN and table.pinned_to(place.slot):
+            return router.index.blocks_of(place)
+        return None
+
+    def _parked_blocks(self, member: str, owner: str, prefix: Prefix) -> int:
+        """How many leading blocks of ``prefix`` ``member``'s best parked copy of
+        ``owner``'s KV holds (0: none)."""
+        if self.kv is None:
+            return 0
+        return max(
+            (shared_blocks(e.blocks, prefix) for e in self.kv.copies(member, owner)), default=0
+        )
 
     def _holds(self, runtime: ModelRuntime, session: str) -> bool:
         """``runtime`` holds ``session``'s KV, in a slot or parked."""
@@ -285,11 +343,17 @@ class Host:
         public = runtime.config.replica_of
         tried: set[str] = set()
         held: bool | None = None  # the first member routed to holds the session's KV
+        by_prefix = False  # routed to a member holding a prefix of the request
+        if public is not None and session is not None and prefix:
+            runtime, by_prefix = self._route_by_prefix(
+                public, runtime, owner=session, keyless=keyless, prefix=prefix
+            )
         async with AsyncExitStack() as stack:
             while True:
                 holds = public is not None and session is not None and self._holds(runtime, session)
                 held = holds if held is None else held
-                pool = public is not None and (keyless or not holds)
+                # A job sent where its prefix is stays there: no sibling takes it.
+                pool = public is not None and not by_prefix and (keyless or not holds)
                 try:
                     grant = await stack.enter_async_context(
                         self.slot(
@@ -309,11 +373,28 @@ class Host:
                         runtime.id,
                         exc.message,
                     )
-                    runtime = self.resolve_model(public, session=session, avoid=tried)
+                    runtime = self.resolve_model(
+                        public, session=None if keyless else session, avoid=tried
+                    )
+                    by_prefix = False
             member = self.models.get(grant.model_id, runtime)
             if public is not None and session is not None and not keyless and member is not runtime:
                 router = self.routers.setdefault(public, ReplicaRouter())
                 router.rehome(session, member.id, lost_kv=bool(held))
+            if public is not None and session is not None and grant.slot_id is not None:
+                # The slot holds the request's blocks from now on: recorded as the block
+                # starts (a continuation sent as soon as the answer's last byte arrives
+                # finds it) and again as it ends, before the slot is released (routing
+                # meanwhile may have corrected the index from the slot table's older
+                # content). A failure or an engine restart is caught at routing time.
+                record = partial(
+                    self.routers.setdefault(public, ReplicaRouter()).record,
+                    session,
+                    KvPlace(member.id, grant.slot_id),
+                    prefix,
+                )
+                record()
+                stack.callback(record)
             if not (member.config.external and self.serving):
                 yield member, grant
                 return

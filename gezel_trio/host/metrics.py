@@ -319,7 +319,8 @@ def _scheduler_families(sched: Mapping[str, Any]) -> Iterator[Metric]:
 
 
 def _replica_families(replicas: Mapping[str, Any]) -> Iterator[Metric]:
-    """Per replicated model: requests routed to each member, and chats moved."""
+    """Per replicated model: requests routed to each member, chats moved, and prefix
+    routing per member (hits, misses, shed, blocks matched)."""
     if not replicas:
         return
     routed = CounterMetricFamily(
@@ -332,6 +333,29 @@ def _replica_families(replicas: Mapping[str, Any]) -> Iterator[Metric]:
         "Chats sent to another member than the one holding their KV (they re-prefill).",
         labels=["model"],
     )
+    prefix = {
+        "hits": CounterMetricFamily(
+            "gezel_replica_prefix_hits",
+            "Requests sent to a member because it held the longest prefix of their owner's KV.",
+            labels=["model", "member"],
+        ),
+        "misses": CounterMetricFamily(
+            "gezel_replica_prefix_misses",
+            "Requests with a prefix sent to a member while no member held any of it.",
+            labels=["model", "member"],
+        ),
+        "shed": CounterMetricFamily(
+            "gezel_replica_prefix_shed",
+            "Requests not sent to the member holding their prefix: its load was over "
+            "[scheduler] prefix_load_bound.",
+            labels=["model", "member"],
+        ),
+        "blocks": CounterMetricFamily(
+            "gezel_replica_prefix_blocks",
+            "Prefix blocks the member held of the requests sent to it for a prefix hit.",
+            labels=["model", "member"],
+        ),
+    }
     for model, info in replicas.items():
         info = _mapping(info)
         for member, n in _mapping(info.get("routed")).items():
@@ -341,8 +365,15 @@ def _replica_families(replicas: Mapping[str, Any]) -> Iterator[Metric]:
         v = _num(info.get("moved"))
         if v is not None:
             moved.add_metric([str(model)], v)
+        for member, counts in _mapping(info.get("prefix")).items():
+            counts = _mapping(counts)
+            for key, fam in prefix.items():
+                v = _num(counts.get(key))
+                if v is not None:
+                    fam.add_metric([str(model), str(member)], v)
     yield routed
     yield moved
+    yield from prefix.values()
 
 
 def _engine_families(engines: object) -> Iterator[Metric]:
