@@ -141,6 +141,12 @@ BENCHES = (
         _module("rpc_overhead", "--size", "tiny", "--runs", "2", "--n-predict", "16"),
     ),
     Bench(
+        "cache_owners",
+        _module("cache_owners"),
+        _module("cache_owners", "--figure", "cc2", "--targets", "direct,gezel:root-key"),
+        needs=TRACES,
+    ),
+    Bench(
         "replay_weka",
         _replay("weka-small-2x", "--max-sessions", "4", "--targets", "direct,router,gezel"),
         _replay("weka-quick", "--max-sessions", "2", "--targets", "direct,gezel"),

@@ -23,7 +23,8 @@ import trio
 
 from ..errors import GezelError
 from .errors import BenchError
-from .replay import ReplayConfig, run_replay
+from .metrics import handoff_counters
+from .replay import KeyBy, ReplayConfig, run_replay
 from .report import TargetOutcome, build_report, compare_table, markdown_report, write_report
 from .synth import API_STYLES, DEFAULT_VOCAB_LO, Api
 from .targets import (
@@ -89,6 +90,17 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         help="send no session key (as most clients do); cross-session reuse is then "
         "legitimate within the caller's keyless owner and is not an invariant",
     )
+    r.add_argument(
+        "--leak-probe",
+        action="store_true",
+        help="after each replay, send every session's last prompt again under a fresh "
+        "session key and as a second caller (launched gezel targets get two API keys): "
+        "what they get from the cache is cross-owner and cross-caller reuse",
+    )
+    r.add_argument("--api-key", metavar="KEY", help="the caller's API key for --url targets")
+    r.add_argument(
+        "--second-api-key", metavar="KEY", help="another caller's key for --url leak probes"
+    )
 
     t = parser.add_argument_group("targets")
     t.add_argument(
@@ -104,7 +116,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         "--targets",
         default="",
         metavar="LIST",
-        help=f"comma-separated targets to launch: {','.join(LAUNCH_KINDS)}",
+        help=f"comma-separated targets to launch: {','.join(LAUNCH_KINDS)}; each may take "
+        "':keyless' (replay it with no session keys), ':keyless=MODE' (also the host's "
+        "[scheduler] keyless: shared, conversation or blind) or ':root-key' (sub-agents "
+        "send their root session's key, as Claude Code does), e.g. direct,gezel,gezel:keyless",
     )
     t.add_argument("--model", type=Path, metavar="PATH", help="GGUF model for launched targets")
     t.add_argument("--parallel", type=int, default=2, metavar="N", help="slots per engine")
@@ -145,6 +160,37 @@ class _TargetSpec:
     name: str
     kind: str  # "url" or a launch kind
     url: str | None = None
+    keyless: bool | None = None  # None: --keyless
+    keyless_mode: str | None = None  # a gezel target's [scheduler] keyless
+    key_by: KeyBy = "session"
+
+
+KEYLESS_MODES = ("shared", "conversation", "blind")
+
+
+def parse_target(spec: str) -> _TargetSpec:
+    """``KIND[:OPTION...]`` of ``--targets``: the options are ``keyless``,
+    ``keyless=MODE`` and ``root-key``; the whole spec is the target's name."""
+    kind, *options = (part.strip() for part in spec.split(":"))
+    if kind not in LAUNCH_KINDS:
+        raise BenchError(f"unknown target {kind!r}: choose from {', '.join(LAUNCH_KINDS)}")
+    keyless: bool | None = None
+    mode: str | None = None
+    key_by: KeyBy = "session"
+    for option in options:
+        name, sep, value = option.partition("=")
+        if name == "keyless" and (not sep or value in KEYLESS_MODES):
+            keyless, mode = True, value or None
+        elif option == "root-key":
+            key_by = "root"
+        else:
+            raise BenchError(
+                f"target {spec!r}: unknown option {option!r} (keyless, "
+                f"keyless={{{','.join(KEYLESS_MODES)}}}, root-key)"
+            )
+    if mode is not None and not kind.startswith("gezel"):
+        raise BenchError(f"target {spec!r}: keyless=MODE is a gezel target's setting")
+    return _TargetSpec(spec, kind, keyless=keyless, keyless_mode=mode, key_by=key_by)
 
 
 def _targets(args: argparse.Namespace) -> list[_TargetSpec]:
@@ -154,12 +200,9 @@ def _targets(args: argparse.Namespace) -> list[_TargetSpec]:
         if not sep or "://" in name:
             name, url = ("url" if len(args.url) == 1 else f"url{n}"), raw
         specs.append(_TargetSpec(name, "url", url))
-    for kind in (k.strip() for k in args.targets.split(",")):
-        if not kind:
-            continue
-        if kind not in LAUNCH_KINDS:
-            raise BenchError(f"unknown target {kind!r}: choose from {', '.join(LAUNCH_KINDS)}")
-        specs.append(_TargetSpec(kind, kind))
+    for raw in (k.strip() for k in args.targets.split(",")):
+        if raw:
+            specs.append(parse_target(raw))
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise BenchError(f"target names repeat: {names}")
@@ -185,24 +228,43 @@ def _scaled_trace(args: argparse.Namespace) -> Trace:
 
 def _invariants(report: dict[str, Any], *, keyless: bool = False) -> list[str]:
     """What the replay broke. Keyless, every request is one owner's (the caller's), so
-    reuse across the trace's sessions is allowed and not counted."""
+    reuse across the trace's sessions is allowed and not counted; sessions that share a
+    key (``:root-key``) are one owner, so reuse between them is allowed too. Reuse across
+    owners and callers (the leak probes) never is, through a gezel target."""
     broken = []
     for t in report["targets"]:
         m = t.get("metrics")
         if m is None:
             continue
+        name = t["name"]
         if m["failed"]:
-            broken.append(f"{t['name']}: {m['failed']} failed requests")
+            broken.append(f"{name}: {m['failed']} failed requests")
         if m["prompt_token_mismatch"]:
-            broken.append(f"{t['name']}: {m['prompt_token_mismatch']} prompt length mismatches")
-        kind = t.get("description", {}).get("kind", "")
-        if str(kind).startswith("gezel") and m["cross_session_reuse"] and not keyless:
-            broken.append(f"{t['name']}: {m['cross_session_reuse']} cross-session tokens")
+            broken.append(f"{name}: {m['prompt_token_mismatch']} prompt length mismatches")
+        if not str(t.get("description", {}).get("kind", "")).startswith("gezel"):
+            continue
+        config = t.get("config") or {}
+        keyed = not config.get("keyless", keyless)
+        if keyed and config.get("key_by", "session") == "session" and m["cross_session_reuse"]:
+            broken.append(f"{name}: {m['cross_session_reuse']} cross-session tokens")
+        if keyed and m.get("cross_owner_reuse"):
+            broken.append(f"{name}: {m['cross_owner_reuse']} cross-owner tokens")
+        for key, what in (
+            ("cross_owner_probe_tokens", "cross-owner"),
+            ("cross_caller_tokens", "cross-caller"),
+        ):
+            if m.get(key):
+                broken.append(f"{name}: {m[key]} {what} tokens to the leak probes")
     return broken
 
 
 async def _replay_endpoint(
-    endpoint: Endpoint, trace: Trace, args: argparse.Namespace, vocab_hi: int | None
+    endpoint: Endpoint,
+    trace: Trace,
+    args: argparse.Namespace,
+    vocab_hi: int | None,
+    spec: _TargetSpec,
+    keys: tuple[str | None, str | None],
 ) -> TargetOutcome:
     config = ReplayConfig(
         base_url=endpoint.base_url,
@@ -217,23 +279,52 @@ async def _replay_endpoint(
         time_scale=trace.time_scale,
         request_timeout=args.request_timeout,
         label=endpoint.name,
-        keyless=args.keyless,
+        keyless=args.keyless if spec.keyless is None else spec.keyless,
+        key_by=spec.key_by,
+        api_key=keys[0],
+        leak_probe=args.leak_probe,
+        probe_key=keys[1],
     )
+
+    async def replayed() -> None:
+        """A gezel target's replica routing and handoff counters, before the probes."""
+        status = await _host_status(endpoint.base_url, endpoint.admin_key)
+        replicas = status.get("replicas")
+        ok = isinstance(replicas, dict) and replicas
+        endpoint.description["host_replicas"] = replicas if ok else None
+        endpoint.description["host_handoffs"] = handoff_counters(status)
+
     result = await run_replay(
-        trace, config, progress_stream=None if args.no_progress else sys.stderr
+        trace,
+        config,
+        progress_stream=None if args.no_progress else sys.stderr,
+        replayed=replayed if spec.kind.startswith("gezel") else None,
     )
     return TargetOutcome(endpoint.name, "ok", endpoint.description, result=result)
 
 
-async def _host_replicas(base_url: str) -> dict[str, Any] | None:
-    """A gezel target's replica routing after the replay (``/api/status``), if any."""
+async def _host_status(base_url: str, admin_key: str | None) -> dict[str, Any]:
+    """A gezel target's ``/api/status`` after the replay (``{}`` when unreadable)."""
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else None
     try:
-        async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
+        async with httpx.AsyncClient(base_url=base_url, timeout=10, headers=headers) as client:
             status = (await client.get("/api/status")).json()
     except (httpx.HTTPError, ValueError):
-        return None
-    replicas = status.get("replicas") if isinstance(status, dict) else None
-    return replicas if isinstance(replicas, dict) and replicas else None
+        return {}
+    return status if isinstance(status, dict) else {}
+
+
+BENCH_KEYS = ("gezel-bench-caller-a", "gezel-bench-caller-b")
+"""The two callers' API keys of launched targets under ``--leak-probe``."""
+BENCH_ADMIN_KEY = "gezel-bench-admin"
+
+
+def _launch_keys(settings: LaunchSettings) -> tuple[str | None, str | None]:
+    """The replay's key and the second caller's, for a launched target: both or none.
+    (A plain llama-server ignores them: it has no callers to tell apart.)"""
+    if len(settings.api_keys) < 2:
+        return (None, None)
+    return (settings.api_keys[0], settings.api_keys[1])
 
 
 async def _run_target(
@@ -250,22 +341,22 @@ async def _run_target(
             api: Api = args.api
             description.update(url=spec.url, api=api)
             endpoint = Endpoint(spec.name, spec.url, api, args.model_name, description)
-            return await _replay_endpoint(endpoint, trace, args, args.vocab_hi)
+            keys = (args.api_key, args.second_api_key)
+            return await _replay_endpoint(endpoint, trace, args, args.vocab_hi, spec, keys)
         assert settings is not None
         async with open_target(
             spec.kind,  # type: ignore[arg-type]
             settings=settings,
             engine=engine,
             name=spec.name,
+            keyless=spec.keyless_mode,
         ) as endpoint:
             description = endpoint.description
             vocab_hi = args.vocab_hi or await trio.to_thread.run_sync(
                 gguf_vocab_size, settings.model_path
             )
-            outcome = await _replay_endpoint(endpoint, trace, args, vocab_hi)
-            if spec.kind.startswith("gezel"):
-                description["host_replicas"] = await _host_replicas(endpoint.base_url)
-            return outcome
+            keys = _launch_keys(settings)
+            return await _replay_endpoint(endpoint, trace, args, vocab_hi, spec, keys)
     except GezelError as exc:
         if exc.message.startswith("skipped:"):
             reason = exc.message.removeprefix("skipped:").strip()
@@ -326,6 +417,8 @@ async def bench(args: argparse.Namespace, command: list[str] | None = None) -> i
             engine_args=tuple(shlex.split(args.engine_args)),
             models=args.models,
             replicas=args.replicas,
+            api_keys=BENCH_KEYS if args.leak_probe else (),
+            admin_key=BENCH_ADMIN_KEY if args.leak_probe else None,
         )
         engine = resolve_llama_server()
 

@@ -14,6 +14,13 @@ Field names follow vLLM's and SGLang's serving benchmarks (``completed``, ``fail
   own session had sent or received by then (see :func:`self_reusable_tokens`), summed.
   A lower-bound detector: reuse of another session's copy of tokens the session also
   holds itself cannot be told apart and is not counted.
+- ``cross_owner_reuse``: the same with the request's *owner* in place of its session:
+  the sessions that sent the same key (one owner when the replay keys sub-agents by
+  their root session; every keyless request of the caller when it sends none).
+- ``cross_owner_probe_tokens`` / ``cross_caller_tokens``: cached tokens that leak probes
+  (:class:`ProbeRecord`, sent after the replay with a replayed prompt) got beyond their
+  own probe owner's earlier prompts: under a fresh session key of the same caller, and
+  under a second caller's API key. Each must be 0 through an isolating host.
 - ``fairness``: Jain's index of the per-session mean TTFT (1.0 = all equal).
 - ``prompt_token_mismatch``: requests whose engine-reported prompt length differs
   from the synthesized one; ``output_token_mismatch``: the same for output.
@@ -23,19 +30,22 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 __all__ = [
+    "ProbeRecord",
     "RequestRecord",
     "SessionTurn",
     "cache_hit_by_turn",
+    "handoff_counters",
     "jain_index",
     "percentile",
     "ratios",
     "self_reusable_tokens",
     "summarize",
+    "summarize_probes",
 ]
 
 
@@ -57,6 +67,9 @@ class RequestRecord:
     output_tokens: int = 0
     oracle_tokens: int = 0
     self_reusable_tokens: int | None = None
+    owner: str | None = None
+    """The key the request was sent under (``None``: keyless)."""
+    owner_reusable_tokens: int | None = None
     output_ids: list[int] | None = None
     retries: int = 0
     error: str | None = None
@@ -79,11 +92,58 @@ class RequestRecord:
             "cached_tokens": self.cached_tokens,
             "oracle_tokens": self.oracle_tokens,
             "self_reusable_tokens": self.self_reusable_tokens,
+            "owner": self.owner,
+            "owner_reusable_tokens": self.owner_reusable_tokens,
             "output_tokens_requested": self.output_tokens_requested,
             "output_tokens": self.output_tokens,
             "retries": self.retries,
             "error": self.error,
         }
+
+
+@dataclass(slots=True, kw_only=True)
+class ProbeRecord:
+    """One leak probe: a replayed prompt sent again by another owner after the replay.
+
+    ``kind`` is ``"owner"`` (the same caller under a fresh session key) or ``"caller"``
+    (a second API key, keyed as the replay was). ``allowed_tokens`` is what the probe's
+    own owner had sent before it (its earlier probes' common prefix); anything cached
+    beyond that came from another owner."""
+
+    kind: str
+    session: str
+    prompt_tokens_sent: int
+    allowed_tokens: int = 0
+    cached_tokens: int | None = None
+    error: str | None = None
+
+    @property
+    def leaked(self) -> int:
+        return max(0, (self.cached_tokens or 0) - self.allowed_tokens)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "session": self.session,
+            "prompt_tokens_sent": self.prompt_tokens_sent,
+            "allowed_tokens": self.allowed_tokens,
+            "cached_tokens": self.cached_tokens,
+            "leaked": self.leaked,
+            "error": self.error,
+        }
+
+
+def summarize_probes(probes: Sequence[ProbeRecord]) -> dict[str, Any]:
+    """Leaked tokens per probe kind (``None`` for a kind that was not probed), the
+    probes sent and those that failed or reported no cache figure."""
+    out: dict[str, Any] = {"leak_probes": len(probes)}
+    for kind, key in (("owner", "cross_owner_probe_tokens"), ("caller", "cross_caller_tokens")):
+        mine = [p for p in probes if p.kind == kind and p.error is None]
+        out[key] = sum(p.leaked for p in mine) if mine else None
+    out["leak_probes_unreported"] = sum(
+        1 for p in probes if p.error is not None or p.cached_tokens is None
+    )
+    return out
 
 
 def _r(x: float | None) -> float | None:
@@ -151,8 +211,13 @@ def _may_precede(q: SessionTurn, r: SessionTurn) -> bool:
     return q.turn < r.turn
 
 
-def self_reusable_tokens(turns: Iterable[SessionTurn]) -> dict[tuple[str, int], int]:
+def self_reusable_tokens(
+    turns: Iterable[SessionTurn], *, group: Callable[[SessionTurn], str] | None = None
+) -> dict[tuple[str, int], int]:
     """Longest prefix of each prompt that its own session had already produced.
+
+    ``group`` widens "its own session" to the turns with the same ``group(turn)`` (an
+    owner: the sessions that sent one key); the result stays keyed by session and turn.
 
     For a request ``r``, every other turn ``q`` of the same session that was sent
     before ``r`` ended (or, without times, has a lower turn index) may have left
@@ -163,11 +228,11 @@ def self_reusable_tokens(turns: Iterable[SessionTurn]) -> dict[tuple[str, int], 
     never falls below the truth. The result is capped at ``len(prompt(r)) - 1`` (an
     engine evaluates at least one token).
     """
-    by_session: dict[str, list[SessionTurn]] = defaultdict(list)
+    by_group: dict[str, list[SessionTurn]] = defaultdict(list)
     for item in turns:
-        by_session[item.session].append(item)
+        by_group[item.session if group is None else group(item)].append(item)
     out: dict[tuple[str, int], int] = {}
-    for session, items in by_session.items():
+    for items in by_group.values():
         for r in items:
             best = 0
             for q in items:
@@ -181,7 +246,7 @@ def self_reusable_tokens(turns: Iterable[SessionTurn]) -> dict[tuple[str, int], 
                     else:
                         n += min(q.output_count, len(rest))
                 best = max(best, n)
-            out[(session, r.turn)] = max(0, min(best, len(r.prompt) - 1))
+            out[(r.session, r.turn)] = max(0, min(best, len(r.prompt) - 1))
     return out
 
 
@@ -230,6 +295,11 @@ def summarize(records: Sequence[RequestRecord], *, duration: float) -> dict[str,
         )
         for r in reported
     )
+    cross_owner = sum(
+        max(0, (r.cached_tokens or 0) - r.owner_reusable_tokens)
+        for r in reported
+        if r.owner_reusable_tokens is not None
+    )
 
     per_session: dict[str, list[float]] = defaultdict(list)
     for r in done:
@@ -256,6 +326,7 @@ def summarize(records: Sequence[RequestRecord], *, duration: float) -> dict[str,
         "oracle_hit_ratio": oracle_ratio,
         "cache_efficiency": efficiency,
         "cross_session_reuse": cross,
+        "cross_owner_reuse": cross_owner,
         "cache_unreported": len(done) - len(reported),
         "prompt_token_mismatch": sum(
             1
@@ -311,3 +382,56 @@ def ratios(
         else:
             out[k] = None
     return out
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+_HANDOFF_COUNTS = ("handoffs", "handoff_count", "handoffs_total", "count", "total")
+
+
+def handoff_counters(status: Any) -> dict[str, Any] | None:
+    """Handoffs and the upstream calls they made, read defensively from a host's
+    ``/api/status``: the first mapping (depth first, in the status's order) with a count
+    named like ``handoffs`` and/or a counter with ``handoff`` and ``call`` in its name
+    (``handoff_calls``, ``handoff_upstream_calls``), or a ``handoff...`` mapping holding
+    ``count``/``total`` and ``...calls``. ``None`` when the status has neither.
+    ``calls_per_handoff`` is ``None`` unless both are there and handoffs is not 0."""
+    found: list[tuple[str, int | None, int | None]] = []
+
+    def visit(obj: Any, path: str) -> None:
+        if isinstance(obj, list):
+            for i, item in enumerate(obj):
+                visit(item, f"{path}[{i}]")
+            return
+        if not isinstance(obj, dict):
+            return
+        handoffs: int | None = None
+        calls: int | None = None
+        for key, value in obj.items():
+            name = str(key).lower()
+            if "handoff" not in name:
+                continue
+            if isinstance(value, dict):
+                inner = [_count(value.get(k)) for k in _HANDOFF_COUNTS]
+                handoffs = next((n for n in inner if n is not None), handoffs)
+                for k2, v2 in value.items():
+                    if "call" in str(k2).lower() and _count(v2) is not None:
+                        calls = v2
+            elif _count(value) is not None:
+                if "call" in name:
+                    calls = value
+                elif name in _HANDOFF_COUNTS:
+                    handoffs = value
+        if handoffs is not None or calls is not None:
+            found.append((path, handoffs, calls))
+        for key, value in obj.items():
+            visit(value, f"{path}.{key}" if path else str(key))
+
+    visit(status, "")
+    if not found:
+        return None
+    path, handoffs, calls = next((f for f in found if f[1] is not None), found[0])
+    per = calls / handoffs if handoffs and calls is not None else None
+    return {"handoffs": handoffs, "upstream_calls": calls, "calls_per_handoff": per, "at": path}

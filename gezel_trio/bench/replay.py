@@ -27,7 +27,7 @@ import math
 import sys
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, TextIO
@@ -36,10 +36,10 @@ import httpx
 import trio
 
 from .errors import BenchError
-from .metrics import RequestRecord, SessionTurn, self_reusable_tokens
+from .metrics import ProbeRecord, RequestRecord, SessionTurn, self_reusable_tokens
 from .synth import DEFAULT_VOCAB_LO, Api, PromptSynthesizer, endpoint_path, request_body
 from .synth import request_headers as _headers
-from .traces import Session, Trace, Turn, oracle_tokens
+from .traces import Session, Trace, Turn, common_prefix_len, oracle_tokens
 
 __all__ = [
     "ModelInfo",
@@ -49,10 +49,12 @@ __all__ = [
     "StreamParser",
     "probe_model",
     "run_replay",
+    "session_keys",
     "warm_up",
 ]
 
 Mode = Literal["closed", "open"]
+KeyBy = Literal["session", "root"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,6 +81,20 @@ class ReplayConfig:
     keyless: bool = False
     """Send no session key (no ``prompt_cache_key``, no ``X-Session-Id``), as most
     clients do: the host's ``[scheduler] keyless`` policy decides what they share."""
+    key_by: KeyBy = "session"
+    """``"root"``: a sub-agent sends its root session's key, as Claude Code's sub-agents
+    send their parent's session id (one owner, several conversations)."""
+    api_key: str | None = None
+    """Sent as ``Authorization: Bearer`` with every request (the caller)."""
+    leak_probe: bool = False
+    """After the replay, send each session's last prompt again as another owner (a fresh
+    session key of the same caller; with ``probe_key``, also as a second caller) and
+    record what it got from the cache (:class:`~.metrics.ProbeRecord`)."""
+    probe_key: str | None = None
+    """The second caller's API key for the cross-caller probes (none: not probed)."""
+    probe_tokens: int = 256
+    """A probe sends the first this many tokens of its session's last prompt: enough to
+    match what a leak would give it, cheap to prefill when nothing does."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("closed", "open"):
@@ -89,6 +105,8 @@ class ReplayConfig:
             raise BenchError("concurrency must be >= 1")
         if self.time_scale is not None and not self.time_scale > 0:
             raise BenchError("time_scale must be > 0")
+        if self.key_by not in ("session", "root"):
+            raise BenchError(f"key_by must be 'session' or 'root', not {self.key_by!r}")
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -104,6 +122,10 @@ class ReplayConfig:
             "request_timeout": self.request_timeout,
             "models": list(self.models),
             "keyless": self.keyless,
+            "key_by": self.key_by,
+            "leak_probe": self.leak_probe,
+            "second_caller": self.probe_key is not None,
+            "probe_tokens": self.probe_tokens,
         }
 
 
@@ -118,6 +140,7 @@ class ReplayResult:
     started_at: float
     synthesis: dict[str, Any] = field(default_factory=dict)
     model_info: dict[str, Any] = field(default_factory=dict)
+    probes: list[ProbeRecord] = field(default_factory=list)
 
     def statistics(self) -> dict[str, Any]:
         return {
@@ -393,6 +416,19 @@ async def warm_up(
 # ------------------------------------------------------------------------------ replay
 
 
+def session_keys(trace: Trace, key_by: KeyBy = "session") -> dict[str, str]:
+    """The session key each session's requests carry: its own id, or with
+    ``key_by="root"`` the id of its root session (a sub-agent's parent's parent ...)."""
+    parent = {s.id: s.parent for s in trace.sessions}
+    out: dict[str, str] = {}
+    for s in trace.sessions:
+        key = s.id
+        while key_by == "root" and (up := parent.get(key)) is not None:
+            key = up
+        out[s.id] = key
+    return out
+
+
 def _request_seed(seed: int, turn: Turn) -> int:
     h = hashlib.blake2b(f"{seed}\x00{turn.session}\x00{turn.index}".encode(), digest_size=4)
     return int.from_bytes(h.digest(), "little") & 0x7FFFFFFF
@@ -408,7 +444,10 @@ async def _open_client(
     timeout = httpx.Timeout(connect=config.connect_timeout, read=None, write=60.0, pool=None)
     conns = max(config.concurrency or 64, 4) + 4
     limits = httpx.Limits(max_connections=conns, max_keepalive_connections=conns)
-    async with httpx.AsyncClient(base_url=config.base_url, timeout=timeout, limits=limits) as c:
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
+    async with httpx.AsyncClient(
+        base_url=config.base_url, timeout=timeout, limits=limits, headers=headers
+    ) as c:
         yield c
 
 
@@ -447,6 +486,7 @@ class _Replay:
         self.time_scale = config.time_scale or trace.time_scale
         self.limiter = trio.CapacityLimiter(config.concurrency) if config.concurrency else None
         self.oracle = oracle_tokens(trace)
+        self.keys = session_keys(trace, config.key_by)
         self.prompts: dict[tuple[str, int], list[int]] = {}
         self.records: dict[tuple[str, int], RequestRecord] = {}
         for turn in trace.requests():
@@ -458,6 +498,7 @@ class _Replay:
                 prompt_tokens_sent=len(prompt),
                 output_tokens_requested=turn.output_tokens,
                 oracle_tokens=self.oracle[turn.key],
+                owner=None if config.keyless else self.keys[turn.session],
             )
         self.t0 = 0.0
         self.last_end = 0.0
@@ -532,7 +573,7 @@ class _Replay:
             api=config.api,
             prompt=self.prompts[turn.key],
             output_tokens=turn.output_tokens,
-            session=turn.session,
+            session=self.keys[turn.session],
             model=config.models[turn.index % len(config.models)] if config.models else config.model,
             seed=_request_seed(config.seed, turn),
             extra=dict(config.extra_body) if config.extra_body else None,
@@ -543,7 +584,7 @@ class _Replay:
             "POST",
             endpoint_path(config.api),
             json=body,
-            headers={} if config.keyless else _headers(turn.session),
+            headers={} if config.keyless else _headers(self.keys[turn.session]),
         )
         self.progress.in_flight += 1
         start = trio.current_time()
@@ -623,12 +664,90 @@ class _Replay:
                 SessionTurn(key[0], key[1], self.prompts[key], ids, count, record.t_sent, t_end)
             )
         reusable = self_reusable_tokens(entries)
+        owners = {k: r.owner or "" for k, r in self.records.items()}
+        by_owner = self_reusable_tokens(entries, group=lambda e: owners[(e.session, e.turn)])
         out: list[RequestRecord] = []
         for turn in self.trace.requests():
             record = self.records[turn.key]
             record.self_reusable_tokens = reusable[turn.key]
+            record.owner_reusable_tokens = by_owner[turn.key]
             out.append(record)
         return out
+
+    async def probe_leaks(self) -> list[ProbeRecord]:
+        """Each session's last prompt (its first ``probe_tokens``) sent again, one at a
+        time, by another owner: under a fresh session key of the replay's caller
+        (``owner``), and under the second caller's key, keyed as the replay was
+        (``caller``). One output token each."""
+        config = self.config
+        kinds = ["owner"] + (["caller"] if config.probe_key else [])
+        sent: dict[tuple[str, str | None], list[list[int]]] = defaultdict(list)
+        probes: list[ProbeRecord] = []
+        for session in self.trace.sessions:
+            if not session.turns:
+                continue
+            prompt = self.prompts[session.turns[-1].key][: max(2, config.probe_tokens)]
+            for kind in kinds:
+                key: str | None
+                if kind == "owner":
+                    key, auth = f"gezel-bench-probe/{session.id}", config.api_key
+                else:
+                    key = None if config.keyless else self.keys[session.id]
+                    auth = config.probe_key
+                # what this probe's own owner sent before it may legitimately be cached
+                earlier = sent[(kind, key)]
+                allowed = max((common_prefix_len(prompt, p) for p in earlier), default=0)
+                earlier.append(prompt)
+                probe = ProbeRecord(
+                    kind=kind,
+                    session=session.id,
+                    prompt_tokens_sent=len(prompt),
+                    allowed_tokens=min(allowed, len(prompt) - 1),
+                )
+                await self._probe(probe, prompt, key, auth)
+                probes.append(probe)
+        return probes
+
+    async def _probe(
+        self, probe: ProbeRecord, prompt: list[int], key: str | None, auth: str | None
+    ) -> None:
+        config = self.config
+        body = request_body(
+            api=config.api,
+            prompt=prompt,
+            output_tokens=1,
+            session=key or "",
+            model=config.models[0] if config.models else config.model,
+            seed=config.seed,
+        )
+        headers = _headers(key) if key is not None else {}
+        if key is None:
+            body.pop("prompt_cache_key", None)
+        if auth is not None:
+            headers["Authorization"] = f"Bearer {auth}"
+        parser = StreamParser(config.api)
+        try:
+            with trio.fail_after(config.request_timeout or 300.0):
+                async with self.client.stream(
+                    "POST", endpoint_path(config.api), json=body, headers=headers
+                ) as resp:
+                    if resp.status_code != 200:
+                        text = (await resp.aread()).decode("utf-8", "replace")
+                        probe.error = f"HTTP {resp.status_code}: {text[:200]}"
+                        return
+                    async for line in resp.aiter_lines():
+                        payload = line[5:].strip() if line.startswith("data:") else ""
+                        if not payload or payload == "[DONE]":
+                            continue
+                        try:
+                            parser.feed(json.loads(payload), trio.current_time())
+                        except json.JSONDecodeError:
+                            continue
+        except (trio.TooSlowError, httpx.HTTPError) as exc:
+            probe.error = f"{type(exc).__name__}: {exc}"
+            return
+        probe.cached_tokens = parser.cached_tokens
+        probe.error = parser.error
 
 
 async def run_replay(
@@ -637,13 +756,15 @@ async def run_replay(
     *,
     client: httpx.AsyncClient | None = None,
     progress_stream: TextIO | None = sys.stderr,
+    replayed: Callable[[], Awaitable[None]] | None = None,
 ) -> ReplayResult:
     """Replay ``trace`` against ``config.base_url`` and return every request's record.
 
     Warms the model up (one tiny request, so loading is not timed), probes it
     (vocabulary, context), checks every request fits a slot, then replays. Raises
     :class:`BenchError` before the replay if the trace cannot be synthesized or does
-    not fit. On cancellation every in-flight
+    not fit. ``replayed`` is awaited when the replay is done, before the leak probes
+    (to read an endpoint's counters of the replay alone). On cancellation every in-flight
     request is abandoned (its connection closed) and nothing is returned.
     """
     if not trace.sessions:
@@ -680,6 +801,9 @@ async def run_replay(
         duration = await replay.run()
         progress.close()
         records = replay.finish()
+        if replayed is not None:
+            await replayed()
+        probes = await replay.probe_leaks() if config.leak_probe else []
     described = config.describe()
     described["vocab_hi"] = vocab_hi
     described["time_scale"] = replay.time_scale
@@ -691,4 +815,5 @@ async def run_replay(
         started_at=started_at,
         synthesis=synth.statistics(),
         model_info=info.as_dict(),
+        probes=probes,
     )

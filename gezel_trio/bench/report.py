@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .. import __version__
-from .metrics import cache_hit_by_turn, ratios, summarize
+from .metrics import cache_hit_by_turn, ratios, summarize, summarize_probes
 from .replay import ReplayResult
 from .traces import Trace, save_trace
 
@@ -32,6 +32,8 @@ __all__ = [
     "build_report",
     "compare_ratios",
     "compare_table",
+    "figures_rows",
+    "figures_table",
     "markdown_report",
     "plot_cache_hit_per_turn",
     "plot_ttft_cdf",
@@ -79,6 +81,9 @@ def _target_entry(outcome: TargetOutcome) -> dict[str, Any]:
         entry["model_info"] = result.model_info
         entry["synthesis"] = result.synthesis
         entry["metrics"] = summarize(result.records, duration=result.duration)
+        if result.config.get("leak_probe"):
+            entry["metrics"].update(summarize_probes(result.probes))
+            entry["probes"] = [p.to_json() for p in result.probes]
         entry["cache_hit_by_turn"] = cache_hit_by_turn(result.records)
         entry["ttft_ms"] = sorted(
             round(r.ttft * 1000.0, 3) for r in result.records if r.ok and r.ttft is not None
@@ -155,6 +160,7 @@ _COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("oracle", "oracle_hit_ratio", "pct"),
     ("efficiency", "cache_efficiency", "ratio"),
     ("cross-session", "cross_session_reuse", ""),
+    ("cross-owner", "cross_owner_reuse", ""),
     ("fairness", "fairness", "ratio"),
     ("prompt mismatch", "prompt_token_mismatch", ""),
 )
@@ -188,6 +194,8 @@ def markdown_report(report: Mapping[str, Any]) -> str:
     compare = report.get("compare")
     if compare and compare.get("base"):
         lines += ["", compare_table(report, markdown=True)]
+    if compare and compare.get("base"):
+        lines += ["", figures_table(report, markdown=True)]
     lines += _replica_lines(report["targets"])
     return "\n".join(lines) + "\n"
 
@@ -243,6 +251,112 @@ def compare_table(report: Mapping[str, Any], *, markdown: bool = False) -> str:
             name.ljust(width) + "".join(_fmt(row.get(k), "x").rjust(20) for k in COMPARE_KEYS)
         )
     return "\n".join(out)
+
+
+def _keys(config: Mapping[str, Any], description: Mapping[str, Any]) -> str:
+    if config.get("keyless"):
+        mode = description.get("keyless_mode")
+        return "none" + (f" ({mode})" if mode else "")
+    return "one per root" if config.get("key_by") == "root" else "one per session"
+
+
+def _div(a: Any, b: Any) -> float | None:
+    ok = isinstance(a, int | float) and isinstance(b, int | float) and b
+    return a / b if ok else None
+
+
+def figures_rows(report: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Per ran target: cache efficiency and median TTFT, each also as a ratio to the
+    first ran target (``base``) and to the same kind of target replayed with one key per
+    session (``keyed``: the comparison of a keyless or root-keyed run; ``None`` for that
+    run itself), the reuse across sessions, owners and callers, and the host's upstream
+    calls per handoff (``None`` where its status does not count them)."""
+    ran = [t for t in report["targets"] if t.get("metrics")]
+    if not ran:
+        return []
+    base = ran[0]["metrics"]
+    keyed: dict[str, Mapping[str, Any]] = {}
+    for t in ran:
+        config = t.get("config") or {}
+        kind = str((t.get("description") or {}).get("kind", ""))
+        if not config.get("keyless") and config.get("key_by", "session") == "session":
+            keyed.setdefault(kind, t)
+    rows = []
+    for t in ran:
+        m, config = t["metrics"], t.get("config") or {}
+        description = t.get("description") or {}
+        ref = keyed.get(str(description.get("kind", "")))
+        ref_m = ref["metrics"] if ref is not None and ref is not t else {}
+        handoffs = description.get("host_handoffs") or {}
+        rows.append(
+            {
+                "target": t["name"],
+                "keys": _keys(config, description),
+                "efficiency": m.get("cache_efficiency"),
+                "efficiency_vs_base": _div(m.get("cache_efficiency"), base.get("cache_efficiency")),
+                "efficiency_vs_keyed": _div(
+                    m.get("cache_efficiency"), ref_m.get("cache_efficiency")
+                ),
+                "median_ttft_ms": m.get("median_ttft_ms"),
+                "ttft_vs_base": _div(m.get("median_ttft_ms"), base.get("median_ttft_ms")),
+                "ttft_vs_keyed": _div(m.get("median_ttft_ms"), ref_m.get("median_ttft_ms")),
+                "cross_session": m.get("cross_session_reuse"),
+                "cross_owner": m.get("cross_owner_reuse"),
+                "cross_owner_probe": m.get("cross_owner_probe_tokens"),
+                "cross_caller_probe": m.get("cross_caller_tokens"),
+                "handoffs": handoffs.get("handoffs"),
+                "calls_per_handoff": handoffs.get("calls_per_handoff"),
+            }
+        )
+    return rows
+
+
+_FIGURE_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("keys", "keys", ""),
+    ("efficiency", "efficiency", "ratio"),
+    ("eff/base", "efficiency_vs_base", "x"),
+    ("eff/keyed", "efficiency_vs_keyed", "x"),
+    ("median TTFT ms", "median_ttft_ms", ""),
+    ("TTFT/base", "ttft_vs_base", "x"),
+    ("TTFT/keyed", "ttft_vs_keyed", "x"),
+    ("x-session", "cross_session", ""),
+    ("x-owner", "cross_owner", ""),
+    ("x-owner probe", "cross_owner_probe", ""),
+    ("x-caller probe", "cross_caller_probe", ""),
+    ("handoffs", "handoffs", ""),
+    ("calls/handoff", "calls_per_handoff", "ratio"),
+)
+
+
+def figures_table(report: Mapping[str, Any], *, markdown: bool = False) -> str:
+    """:func:`figures_rows` as a table. ``-`` is a figure that does not apply (a ratio to
+    itself, a probe kind that was not sent, calls per handoff without a handoff); ``n/a``
+    a handoff count the host's status does not expose. Token columns: cached tokens a
+    request got beyond what its own session (x-session) or owner (x-owner) had produced,
+    and what the leak probes got."""
+    rows = figures_rows(report)
+    if not rows:
+        return "no figures: no target ran"
+    base = rows[0]["target"]
+
+    def cell(row: Mapping[str, Any], key: str, kind: str) -> str:
+        if key in ("handoffs", "calls_per_handoff") and row["handoffs"] is None:
+            return "n/a"  # the host's status does not count them
+        return _fmt(row[key], kind)
+
+    title = (
+        f"figures: base = {base}; keyed = the same target with one key per session "
+        "(x- columns: cached tokens from another session, owner, caller)"
+    )
+    heads = ["target", *(c[0] for c in _FIGURE_COLUMNS)]
+    table = [[r["target"], *(cell(r, key, kind) for _, key, kind in _FIGURE_COLUMNS)] for r in rows]
+    if markdown:
+        out = [title, "", "| " + " | ".join(heads) + " |", "|---" * len(heads) + "|"]
+        out += ["| " + " | ".join(row) + " |" for row in table]
+        return "\n".join(out)
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(heads)]
+    fmt = "  ".join(f"{{:<{w}}}" if i < 2 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    return "\n".join([title, fmt.format(*heads), *(fmt.format(*row) for row in table)])
 
 
 def _pyplot() -> Any:

@@ -108,6 +108,11 @@ class LaunchSettings:
     models: int = 1
     """Serve the model file as this many models (ids ``<id>-a``, ``<id>-b``, ...): sessions
     then use them in turn, and one engine at a time is resident (swap)."""
+    api_keys: tuple[str, ...] = ()
+    """API keys a gezel target accepts (``[server] api_keys``; none: no keys, one local
+    caller). The replay sends the first; leak probes the second, as another caller."""
+    admin_key: str | None = None
+    """A gezel target's admin key (``[server] admin_keys``), for ``/api/status``."""
 
     @property
     def model_id(self) -> str:
@@ -132,6 +137,8 @@ class Endpoint:
     description: dict[str, Any] = field(default_factory=dict)
     models: tuple[str, ...] = ()
     """Models a session's turns go to in turn (empty: ``model`` for every turn)."""
+    admin_key: str | None = None
+    """The key that reads its ``/api/status`` (a gezel target with keys)."""
 
 
 def gguf_vocab_size(path: Path) -> int | None:
@@ -203,14 +210,19 @@ def gezel_config_toml(
     affinity: bool,
     kv_parking: bool = True,
     replicas: int = 1,
+    keyless: str | None = None,
 ) -> str:
     """The ``gezel-trio serve`` config of a benchmark target (the one place its shape
-    lives): one model with the benchmark's slots and per-slot context."""
+    lives): one model with the benchmark's slots and per-slot context. ``keyless`` sets
+    ``[scheduler] keyless`` (None: the host's default)."""
     b = "true" if affinity else "false"
+    keys = ", ".join(_toml_str(k) for k in settings.api_keys)
     lines = [
         "[server]",
         f"host = {_toml_str(settings.host)}",
         f"port = {port}",
+        *([f"api_keys = [{keys}]"] if settings.api_keys else []),
+        *([f"admin_keys = [{_toml_str(settings.admin_key)}]"] if settings.admin_key else []),
         "",
         "[engine]",
         f"binary = {_toml_str(str(engine.path))}",
@@ -236,6 +248,7 @@ def gezel_config_toml(
         "[scheduler]",
         f"affinity = {b}",
         f"kv_parking = {'true' if kv_parking else 'false'}",
+        *([f"keyless = {_toml_str(keyless)}"] if keyless is not None else []),
         "",
     ]
     return "\n".join(lines)
@@ -403,8 +416,10 @@ async def open_target(
     settings: LaunchSettings,
     engine: EngineCommand | None = None,
     name: str | None = None,
+    keyless: str | None = None,
 ) -> AsyncIterator[Endpoint]:
     """Launch a target of ``kind``, wait until it answers, yield its endpoint.
+    ``keyless`` is a gezel target's ``[scheduler] keyless`` (None: its default).
 
     Raises :class:`TargetFailed` when it exits or does not answer within
     ``settings.startup_timeout`` (the message carries its log's tail), and
@@ -470,12 +485,15 @@ async def open_target(
             affinity=on,
             kv_parking=parking,
             replicas=settings.replicas if kind == "gezel-replicas" else 1,
+            keyless=keyless,
         )
         config_path = settings.workdir / f"{name}.toml"
         config_path.write_text(config, encoding="utf-8")
         argv = gezel_serve_argv(config_path)
         env["GEZEL_LLAMA_SERVER"] = str(engine.path)
-        description.update(argv=argv, config=config, affinity=on, kv_parking=parking)
+        description.update(
+            argv=argv, config=config, affinity=on, kv_parking=parking, keyless_mode=keyless
+        )
         async with _launched(
             argv,
             env,
@@ -491,4 +509,5 @@ async def open_target(
                 settings.model_ids[0],
                 description,
                 models=models,
+                admin_key=settings.admin_key,
             )

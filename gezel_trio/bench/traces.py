@@ -843,8 +843,14 @@ def _ancestors(session_id: str, by_id: Mapping[str, Session]) -> Iterator[str]:
 
 def open_trace_spec(spec: str, *, scaling: Scaling | None = None) -> Trace:
     """Load ``weka:PATH``, ``mooncake:PATH``, ``native:PATH`` or a plain native ``PATH``,
-    then apply ``scaling`` (when given)."""
+    or build ``claude-code[:OPTIONS]`` (:mod:`gezel_trio.bench.agentic`), then apply
+    ``scaling`` (when given)."""
     kind, sep, rest = spec.partition(":")
+    if kind == "claude-code":
+        from .agentic import parse_claude_code_spec
+
+        trace = parse_claude_code_spec(rest)
+        return trace if scaling is None else scale_trace(trace, scaling)
     if sep and kind in ("weka", "mooncake", "native"):
         path = Path(rest).expanduser()
     else:
