@@ -1,12 +1,12 @@
 """Where a 1-token request's time goes in the host: a py-spy flame graph.
 
-    python -m benchmarks.profile_1token [--seconds 15] [--path /v1/chat/completions]
+    python -m benchmarks.profile_1token [--seconds 15] [--path /v1/chat/completions] [--label after]
 
 Runs ``gezel-trio serve`` as a user would (its own process, the generated ``tiny``
 model, one slot), sends 1-token requests to it back to back over one keep-alive
 connection, and records the host process with ``py-spy record`` meanwhile (the
 engine is another process: only the host's own Python shows). Writes
-``benchmarks/results/flame-1token-<route>.svg`` and prints the request rate and the
+``benchmarks/results/flame-1token-<route>[-<label>].svg`` and prints the request rate and the
 median latency seen by the client. Needs ``py-spy`` (``pip install py-spy``) and,
 as root or with ptrace allowed, permission to attach.
 """
@@ -49,11 +49,15 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=15.0)
     ap.add_argument("--path", default="/v1/chat/completions", choices=sorted(BODIES))
     ap.add_argument("--format", default="flamegraph", choices=("flamegraph", "raw"))
+    ap.add_argument(
+        "--label", default="", help="appended to the figure's name (keep an earlier one)"
+    )
     args = ap.parse_args()
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     name = args.path.strip("/").replace("/", "-")
     suffix = "svg" if args.format == "flamegraph" else "txt"
-    out = RESULTS / f"flame-1token-{name}.{suffix}"
+    label = f"-{args.label}" if args.label else ""
+    out = RESULTS / f"flame-1token-{name}{label}.{suffix}"
     RESULTS.mkdir(parents=True, exist_ok=True)
     model = write_demo_model(RESULTS / "tmp" / "tiny.gguf", size="tiny")
     spec = [{"id": "tiny", "path": str(model), "parallel": 1, "ctx_per_slot": 512}]

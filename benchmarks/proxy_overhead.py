@@ -18,6 +18,9 @@ One llama-server binary (resolved once, given to the host and the router) and on
    one after another, warm, the order of the three paths rotated each round so drift
    cancels. Reports median and p99 of each path and the added median and p99 of
    host - direct and router - direct (differences of the percentiles).
+   Also counts the TCP connections opened per 100 of those requests: by the benchmark's
+   own keep-alive client on each path, and by the host to its engine (``tcp_connect`` in
+   the engine's ``upstream_calls`` on ``/api/status``).
 2. Throughput of N concurrent streams (``ignore_eos``, fixed length): total tokens per
    second of each path, the median of several rounds (path order rotated each round);
    host / direct (and router / direct) is the figure, and each path's range of rounds
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -94,17 +98,25 @@ def _rotated(paths: Sequence[str], i: int) -> list[str]:
 
 class _Poster:
     """Times one request; retries once (untimed attempt discarded) when the server had
-    closed the pooled keep-alive connection, and counts those reconnects."""
+    closed the pooled keep-alive connection, and counts those reconnects, and the TCP
+    connections the benchmark's own client opened, by base URL."""
 
     def __init__(self, client: httpx.AsyncClient) -> None:
         self.client = client
         self.reconnects = 0
+        self.connections: Counter[str] = Counter()
 
     async def timed(self, url: str, body: dict[str, object]) -> float:
+        base = url.split("/v1/", 1)[0]
+
+        async def trace(name: str, info: object) -> None:
+            if name == "connection.connect_tcp.complete":
+                self.connections[base] += 1
+
         for attempt in range(2):
             t0 = time.perf_counter()
             try:
-                r = await self.client.post(url, json=body)
+                r = await self.client.post(url, json=body, extensions={"trace": trace})
             except (httpx.RemoteProtocolError, httpx.ReadError):
                 if attempt:
                     raise
@@ -129,6 +141,13 @@ def _summary(samples: dict[str, list[float]], rounds: int) -> dict[str, float]:
     return out
 
 
+async def _upstream_connections(host: str, client: httpx.AsyncClient) -> int | None:
+    """TCP connections the host has opened to its engine (None: it does not count them)."""
+    status = (await client.get(host + "/api/status")).json()
+    opened = status["engines"][0].get("upstream_calls", {}).get("tcp_connect")
+    return opened if isinstance(opened, int) else None
+
+
 async def _latency(bases: dict[str, str], rounds: int) -> dict[str, Any]:
     samples = {kind: {path: [] for path in PATHS} for kind in KINDS}
     async with httpx.AsyncClient(timeout=60) as client:
@@ -137,15 +156,23 @@ async def _latency(bases: dict[str, str], rounds: int) -> dict[str, Any]:
             for kind, route in KINDS.items():
                 for path in _rotated(PATHS, i):
                     await poster.timed(bases[path] + route, _body(kind))
+        poster.connections.clear()
+        upstream_before = await _upstream_connections(bases["host"], client)
         for i in range(rounds):
             for kind, route in KINDS.items():
                 for path in _rotated(PATHS, i):
                     ms = await poster.timed(bases[path] + route, _body(kind))
                     samples[kind][path].append(ms)
+        upstream_after = await _upstream_connections(bases["host"], client)
+    unary = rounds * len(KINDS)  # requests down each path
+    per_100 = {f"{path}_client": 100 * poster.connections[bases[path]] / unary for path in PATHS}
+    if upstream_before is not None and upstream_after is not None:
+        per_100["host_to_engine"] = 100 * (upstream_after - upstream_before) / unary
     return {
         "chat": _summary(samples["chat"], rounds),
         "text": _summary(samples["text"], rounds),
         "reconnects": poster.reconnects,
+        "connections_per_100_unary": per_100,
     }
 
 
@@ -230,6 +257,7 @@ async def _warm_paths(
         "chat_latency": latency["chat"],
         "text_latency": latency["text"],
         "reconnects": latency["reconnects"],
+        "connections_per_100_unary": latency["connections_per_100_unary"],
         "throughput": throughput,
     }
 
@@ -279,6 +307,11 @@ def _table(result: dict[str, Any]) -> str:
                 row += f"{lat[path + '_added_median_ms']:>+10.2f}"
                 row += f"{lat[path + '_added_p99_ms']:>+10.2f}"
             lines.append(row)
+    conns = result["connections_per_100_unary"]
+    lines.append(
+        "TCP connections opened per 100 unary requests: "
+        + ", ".join(f"{name.replace('_', ' ')} {n:.0f}" for name, n in conns.items())
+    )
     tp = result["throughput"]
     lo, hi = tp["direct_tok_s_range"]
     lines.append(

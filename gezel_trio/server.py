@@ -16,6 +16,7 @@ from hypercorn.config import Config as HypercornConfig
 
 from ._trio import unwrapping
 from .api.app import create_app
+from .api.lean import LeanFront
 from .config import Config, split_listen
 from .errors import GezelError
 from .front_guard import FrontGuard, serve_front
@@ -135,11 +136,13 @@ def exposure_warning(config: Config) -> str | None:
 
 @dataclass(frozen=True)
 class Served:
-    """What :func:`open_served` yields: the host, its URLs, its connections' guard."""
+    """What :func:`open_served` yields: the host, its URLs, its connections' guard, and
+    the lean front of its hot routes."""
 
     host: Host
     urls: list[str]
     front: FrontGuard
+    lean: LeanFront
 
 
 @asynccontextmanager
@@ -192,7 +195,7 @@ async def _serving(
                 await shutdown_trigger()
             began.append(trio.current_time())
 
-        app = create_app(host)
+        app = LeanFront(create_app(host), host)
         front = FrontGuard(
             write_timeout=config.server.stream_stall_timeout,
             drain_timeout=drain_timeout(config),
@@ -214,7 +217,7 @@ async def _serving(
         host.urls = binds
         log.info("serving", extra={"fields": {"urls": binds, "models": list(host.models)}})
         try:
-            yield Served(host=host, urls=binds, front=front)
+            yield Served(host=host, urls=binds, front=front, lean=app)
         except BaseException:
             began.append(trio.current_time())
             front.stop(drain_timeout=0)

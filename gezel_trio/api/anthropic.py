@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from quart import Blueprint, Response, current_app
+from quart import Blueprint, Response
 
 from ..engine.assemble import SseDecoder
 from ..errors import EngineFailed, GezelError
@@ -34,8 +34,9 @@ from .anthropic_translate import (
 )
 from .auth import request_owner
 from .errors import json_response
+from .exchange import Counts, current_exchange
 from .metrics_endpoint import resolve_model, token_counts
-from .relay import Counts, proxy_completion, requested_model, slot_free_call
+from .relay import proxy_completion, requested_model, slot_free_call
 from .validation import read_json_object
 
 bp = Blueprint("anthropic", __name__)
@@ -91,8 +92,7 @@ class AnthropicShaper:
 
 
 def _host() -> Host:
-    host: Host = current_app.config["GEZEL_HOST"]
-    return host
+    return current_exchange().host
 
 
 @bp.post("/v1/messages")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Collection
 
 import trio
 from quart import Response, request
@@ -17,9 +18,32 @@ from werkzeug.exceptions import HTTPException
 from ..errors import GezelError
 from ..host import Host
 from .auth import SESSION_HEADERS, install_auth
-from .errors import error_response, json_response, response_for
+from .errors import (
+    error_response,
+    http_error_message,
+    json_response,
+    response_for,
+    unexpected_error_response,
+)
 
 log = logging.getLogger("gezel_trio.api")
+
+
+def with_cors(resp: Response, origin: str | None, allowed: Collection[str]) -> Response:
+    """``resp`` with the CORS headers for ``origin`` when it is one of ``allowed``."""
+    if origin and origin in allowed:
+        resp.headers["Access-Control-Allow-Origin"] = origin
+        resp.headers["Vary"] = "Origin"
+        resp.headers["Access-Control-Allow-Headers"] = ", ".join(
+            (
+                "Authorization",
+                "Content-Type",
+                "X-Api-Key",
+                "Anthropic-Version",
+                *SESSION_HEADERS,
+            )
+        )
+    return resp
 
 
 def create_app(host: Host) -> QuartTrio:
@@ -38,20 +62,7 @@ def create_app(host: Host) -> QuartTrio:
 
     @app.after_request
     async def cors(resp: Response) -> Response:
-        origin = request.headers.get("Origin")
-        if origin and origin in cfg.cors_origins:
-            resp.headers["Access-Control-Allow-Origin"] = origin
-            resp.headers["Vary"] = "Origin"
-            resp.headers["Access-Control-Allow-Headers"] = ", ".join(
-                (
-                    "Authorization",
-                    "Content-Type",
-                    "X-Api-Key",
-                    "Anthropic-Version",
-                    *SESSION_HEADERS,
-                )
-            )
-        return resp
+        return with_cors(resp, request.headers.get("Origin"), cfg.cors_origins)
 
     @app.errorhandler(GezelError)
     async def on_gezel_error(exc: GezelError) -> Response:
@@ -60,23 +71,24 @@ def create_app(host: Host) -> QuartTrio:
     @app.errorhandler(HTTPException)
     async def on_http_error(exc: HTTPException) -> Response:
         status = exc.code or 500
-        messages = {
-            404: f"no such endpoint: {request.method} {request.path[:200]}",
-            405: f"method {request.method} is not allowed on {request.path[:200]}",
-            413: f"the request body is larger than the limit of {cfg.max_body_bytes} bytes",
-        }
         if status in (404, 405):
             # Read (and drop) the unread body, bounded by the body limit, so the
             # next request on this keep-alive connection is parsed, not stuck
             # behind it.
             with trio.move_on_after(5), contextlib.suppress(Exception):
                 await request.get_data(cache=False)
-        return error_response(status, messages.get(status, exc.description or exc.name))
+        message = http_error_message(
+            status,
+            request.method,
+            request.path,
+            exc.description or exc.name,
+            max_body_bytes=cfg.max_body_bytes,
+        )
+        return error_response(status, message)
 
     @app.errorhandler(Exception)
     async def on_unexpected(exc: Exception) -> Response:
-        log.exception("unhandled error")
-        return error_response(500, f"internal error: {type(exc).__name__}", code="internal_error")
+        return unexpected_error_response(exc)
 
     @app.get("/health")
     async def health() -> Response:

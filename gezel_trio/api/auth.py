@@ -29,6 +29,7 @@ from werkzeug.datastructures import Headers
 from ..host import Host
 from ..host.completion import Owner
 from .errors import OLLAMA_PATHS, error_response
+from .exchange import Exchange, current_exchange, open_exchange
 
 __all__ = [
     "ADMIN_ATTR",
@@ -36,6 +37,7 @@ __all__ = [
     "SESSION_HEADERS",
     "Owner",
     "SessionNames",
+    "authenticate",
     "conversation_opening",
     "install_auth",
     "request_owner",
@@ -102,11 +104,11 @@ NAMES_ATTR = "GEZEL_SESSION_NAMES"
 """The app's config key for its :class:`SessionNames`."""
 
 
-def _presented_key() -> str | None:
-    auth = request.headers.get("Authorization", "")
+def _presented_key(headers: Headers | Mapping[str, str]) -> str | None:
+    auth = headers.get("Authorization") or ""
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip()
-    key = request.headers.get("X-Api-Key")
+    key = headers.get("X-Api-Key")
     return key.strip() if key else None
 
 
@@ -128,60 +130,74 @@ def _is_admin_path(path: str) -> bool:
 
 
 def install_auth(app: QuartTrio, host: Host) -> None:
-    """Check every request's key before its route runs, and record its caller; keep the
-    names its sessions were given (:class:`SessionNames`)."""
-    cfg = host.config.server
-    app.config[NAMES_ATTR] = SessionNames()
+    """Check every request's key before its route runs (:func:`authenticate`), and record
+    its caller; keep the names its sessions were given (:class:`SessionNames`)."""
+    names = app.config[NAMES_ATTR] = SessionNames()
 
     @app.before_request
-    async def authenticate() -> Response | None:
-        keys = cfg.api_keys
-        admin_keys = cfg.admin_keys
-        if not keys and not admin_keys:
-            setattr(g, CALLER_ATTR, host.sessions.caller(None))
-            setattr(g, ADMIN_ATTR, True)
-            return None
-        if request.path in PUBLIC_PATHS or request.method == "OPTIONS":
-            return None
-        token = _presented_key()
-        if token is None:
-            return error_response(
-                401,
-                "missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
-                type_="invalid_request_error",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        admin_ok = _matches(token, admin_keys) if admin_keys else _matches(token, keys)
-        if _is_admin_path(request.path):
-            if not admin_ok:
-                status = 403 if _matches(token, keys) else 401
-                return error_response(
-                    status,
-                    "this endpoint needs an admin key" if status == 403 else "invalid API key",
-                    type_="invalid_request_error",
-                    code="insufficient_permissions" if status == 403 else "invalid_api_key",
-                )
-            setattr(g, CALLER_ATTR, host.sessions.caller(token))
-            setattr(g, ADMIN_ATTR, True)
-            return None
-        if not (_matches(token, keys) or admin_ok):
-            return error_response(
-                401,
-                "invalid API key",
-                type_="invalid_request_error",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        setattr(g, CALLER_ATTR, host.sessions.caller(token))  # the key that matched
-        setattr(g, ADMIN_ATTR, admin_ok)
+    async def _authenticate() -> Response | None:
+        exchange = open_exchange(Exchange(host, request.path, request.headers, names))
+        refused = authenticate(exchange, request.method)
+        if refused is None and exchange.caller is not None:
+            setattr(g, CALLER_ATTR, exchange.caller)
+            setattr(g, ADMIN_ATTR, exchange.admin)
+        return refused
+
+
+def authenticate(exchange: Exchange, method: str) -> Response | None:
+    """Check the API key of ``exchange`` (either front's) and record its caller and
+    whether it is an admin in it; the refusal (401, 403) in the shape of its dialect,
+    or None to go on."""
+    host = exchange.host
+    cfg = host.config.server
+    keys = cfg.api_keys
+    admin_keys = cfg.admin_keys
+    if not keys and not admin_keys:
+        exchange.caller = host.sessions.caller(None)
+        exchange.admin = True
         return None
+    path = exchange.path
+    if path in PUBLIC_PATHS or method == "OPTIONS":
+        return None
+    token = _presented_key(exchange.headers)
+    if token is None:
+        return error_response(
+            401,
+            "missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+            type_="invalid_request_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    admin_ok = _matches(token, admin_keys) if admin_keys else _matches(token, keys)
+    if _is_admin_path(path):
+        if not admin_ok:
+            status = 403 if _matches(token, keys) else 401
+            return error_response(
+                status,
+                "this endpoint needs an admin key" if status == 403 else "invalid API key",
+                type_="invalid_request_error",
+                code="insufficient_permissions" if status == 403 else "invalid_api_key",
+            )
+        exchange.caller = host.sessions.caller(token)
+        exchange.admin = True
+        return None
+    if not (_matches(token, keys) or admin_ok):
+        return error_response(
+            401,
+            "invalid API key",
+            type_="invalid_request_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    exchange.caller = host.sessions.caller(token)  # the key that matched
+    exchange.admin = admin_ok
+    return None
 
 
 def request_caller() -> str:
     """The authenticated caller of this request. Refuses (RuntimeError) when the auth
     hook did not run: never share a cache by accident."""
-    caller = g.get(CALLER_ATTR)
+    caller = current_exchange().caller
     if not isinstance(caller, str):
         raise RuntimeError("no authenticated caller for this request")
     return caller
@@ -229,7 +245,8 @@ def request_owner(host: Host, body: Mapping[str, Any]) -> Owner:
     names, else as ``[scheduler] keyless`` says: the caller's keyless owner
     (``shared``), the conversation its opening names (``conversation``, see
     :func:`conversation_opening`), or none (``blind``). Never shared across callers."""
-    name = session_name(body, request.headers)
+    exchange = current_exchange()
+    name = session_name(body, exchange.headers)
     caller = request_caller()
     mode = host.config.scheduler.keyless
     opening = conversation_opening(body) if name is None and mode == "conversation" else None
@@ -237,7 +254,7 @@ def request_owner(host: Host, body: Mapping[str, Any]) -> Owner:
     if session is not None and host.kv is not None:
         host.kv.note_caller(session, caller)  # whose parked KV it will be
     if session is not None and name is not None:
-        session_names().note(session, name)
+        exchange.names.note(session, name)
     # a keyless conversation is parked and routed like a named chat
     return Owner(session, keyless=name is None and opening is None)
 

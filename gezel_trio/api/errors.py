@@ -28,6 +28,7 @@ from quart import Response, has_request_context, request
 
 from ..errors import FieldError, GezelError, QueueFull
 from .anthropic_translate import error_body as anthropic_error_body
+from .exchange import exchange_or_none
 
 log = logging.getLogger("gezel_trio.api")
 
@@ -80,6 +81,19 @@ def json_response(
     )
 
 
+def http_error_message(
+    status: int, method: str, path: str, description: str, *, max_body_bytes: int
+) -> str:
+    """The message of an HTTP-level refusal (404, 405, 413, 408, ...), given werkzeug's
+    ``description`` of ``status``; both fronts use it."""
+    messages = {
+        404: f"no such endpoint: {method} {path[:200]}",
+        405: f"method {method} is not allowed on {path[:200]}",
+        413: f"the request body is larger than the limit of {max_body_bytes} bytes",
+    }
+    return messages.get(status, description)
+
+
 def error_response(
     status: int,
     message: str,
@@ -90,7 +104,11 @@ def error_response(
     headers: dict[str, str] | None = None,
 ) -> Response:
     """An error answer in the shape of the request's dialect (OpenAI's outside a request)."""
-    dialect = dialect_of(request.path) if has_request_context() else "openai"
+    exchange = exchange_or_none()
+    if exchange is not None:
+        dialect = dialect_of(exchange.path)
+    else:
+        dialect = dialect_of(request.path) if has_request_context() else "openai"
     payload: dict[str, Any]
     if dialect == "anthropic":
         payload = anthropic_error_body(status, message)
@@ -114,3 +132,9 @@ def response_for(exc: GezelError) -> Response:
     return error_response(
         exc.status, exc.message, type_=exc.type, code=exc.code, param=param, headers=headers
     )
+
+
+def unexpected_error_response(exc: Exception) -> Response:
+    """A bug's answer: logged with its traceback, a 500 that names only its type."""
+    log.exception("unhandled error", exc_info=exc)
+    return error_response(500, f"internal error: {type(exc).__name__}", code="internal_error")

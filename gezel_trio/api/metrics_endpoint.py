@@ -22,7 +22,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from quart import Blueprint, Response, current_app, g, request
+from quart import Blueprint, Response, current_app, request
 from quart.wrappers.response import IterableBody
 from quart_trio import QuartTrio
 
@@ -30,12 +30,12 @@ from ..errors import GezelError
 from ..host import Host, ModelRuntime
 from ..host.activity import Activity, RequestEvent
 from ..host.metrics import CONTENT_TYPE, Metrics
+from .exchange import UNRESOLVED, Exchange, current_exchange
 
 bp = Blueprint("metrics", __name__)
 request_log = logging.getLogger("gezel_trio.requests")
 log = logging.getLogger("gezel_trio.api.metrics")
 
-UNRESOLVED = "(unresolved)"
 INSTRUMENTED_BLUEPRINTS = frozenset({"openai", "native", "responses", "anthropic", "ollama"})
 _TAIL_BYTES = 32 * 1024
 _MAX_PARSE_BYTES = 4 * 1024 * 1024
@@ -56,12 +56,13 @@ def resolve_model(host: Host, model: object, *, session: str | None = None) -> M
     """The runtime a request's ``model`` names, resolved once (see
     :meth:`Host.resolve_model`), and this request's metrics labelled with it: a
     replicated model's own id, never a member's; ``(unresolved)`` when it raises."""
+    exchange = current_exchange()
     try:
         runtime = host.resolve_model(model, session=session)
     except GezelError:
-        g.gezel_model = UNRESOLVED
+        exchange.model = UNRESOLVED
         raise
-    g.gezel_model = runtime.config.replica_of or runtime.id
+    exchange.model = runtime.config.replica_of or runtime.id
     return runtime
 
 
@@ -140,51 +141,47 @@ def install_metrics(app: QuartTrio, metrics: Metrics) -> None:
     app.config["GEZEL_METRICS"] = metrics
     app.register_blueprint(bp)
 
-    @app.before_request
-    async def _start_clock() -> None:
-        g.gezel_t0 = time.perf_counter()
-
     @app.after_request
     async def _record(resp: Response) -> Response:
         if request.blueprint not in INSTRUMENTED_BLUEPRINTS:
             return resp
-        t0: float = g.get("gezel_t0", time.perf_counter())
-        model: str = g.get("gezel_model", UNRESOLVED)
-        status = resp.status_code
-        body = resp.response
-        if isinstance(body, IterableBody):
-            # the relay's own dict: a stream that waited fills it in as its body ends
-            fields = g.get("gezel_log", {})
-            fields.setdefault("path", request.path)
-            resp.response = IterableBody(
-                _observed_stream(metrics, body, model, status, t0, fields, _activity())
-            )
-            return resp
-        counts: tuple[int | None, int | None, int | None] = g.get(
-            "gezel_counts", (None, None, None)
+        return await record_answer(current_exchange(), resp, metrics)
+
+
+async def record_answer(exchange: Exchange, resp: Response, metrics: Metrics) -> Response:
+    """Record a model request's answer (either front's) in ``metrics``, the request log
+    and the activity feed: a whole answer now, a streamed one when its body ends (the
+    response returned wraps its body for that)."""
+    status = resp.status_code
+    body = resp.response
+    activity = exchange.host.activity
+    t0 = exchange.t0
+    if isinstance(body, IterableBody):
+        # the relay's own dict: a stream that waited fills it in as its body ends
+        fields = exchange.log
+        fields.setdefault("path", exchange.path)
+        resp.response = IterableBody(
+            _observed_stream(metrics, body, exchange.model, status, t0, fields, activity)
         )
-        if counts[0] is None and status == 200 and (resp.content_length or 0) <= _MAX_PARSE_BYTES:
-            ctype = resp.content_type or ""
-            if "json" in ctype:
-                try:
-                    counts = token_counts(json.loads(await resp.get_data(as_text=False)))
-                except ValueError:
-                    pass
-        duration = time.perf_counter() - t0
-        # a non-streamed completion is streamed from the engine: the relay noted when
-        # its first event came
-        first: float | None = g.get("gezel_first_event_at")
-        ttft = None if first is None else first - t0
-        metrics.request_done(model, status, duration, ttft, *counts)
-        fields = {"path": request.path, **g.get("gezel_log", {})}
-        log_request(model, status, duration, ttft, counts, fields, _activity())
-        _verify_restore(fields, status, counts)
         return resp
-
-
-def _activity() -> Activity:
-    host: Host = current_app.config["GEZEL_HOST"]
-    return host.activity
+    counts = exchange.counts or (None, None, None)
+    if counts[0] is None and status == 200 and (resp.content_length or 0) <= _MAX_PARSE_BYTES:
+        ctype = resp.content_type or ""
+        if "json" in ctype:
+            try:
+                counts = token_counts(json.loads(await resp.get_data(as_text=False)))
+            except ValueError:
+                pass
+    duration = time.perf_counter() - t0
+    # a non-streamed completion is streamed from the engine: the relay noted when
+    # its first event came
+    first = exchange.first_event_at
+    ttft = None if first is None else first - t0
+    metrics.request_done(exchange.model, status, duration, ttft, *counts)
+    fields = {"path": exchange.path, **exchange.log}
+    log_request(exchange.model, status, duration, ttft, counts, fields, activity)
+    _verify_restore(fields, status, counts)
+    return resp
 
 
 async def _observed_stream(

@@ -31,13 +31,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from quart import Blueprint, Response, current_app, request
+from quart import Blueprint, Response, request
 
 from ..engine.client import UpstreamResult
 from ..errors import EngineCrashed, FieldError
 from ..host import Host
 from ..host.completion import Completion
 from .auth import request_owner
+from .exchange import current_exchange
 from .metrics_endpoint import resolve_model
 from .relay import PassThrough, proxy_completion, rename_for, slot_free_call, whole_engine_call
 from .validation import check_completion_body, check_infill_body, read_json_object
@@ -51,8 +52,7 @@ PUBLIC_NEXT_TOKEN_FIELDS = ("has_next_token", "n_remain", "n_decoded")
 
 
 def _host() -> Host:
-    host: Host = current_app.config["GEZEL_HOST"]
-    return host
+    return current_exchange().host
 
 
 def _with_prefix_model(body: dict[str, Any], model: str | None) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 import trio
-from quart import Blueprint, Response, current_app, g, request
+from quart import Blueprint, Response, current_app, request
 from quart.wrappers.response import IterableBody
 
 from ..engine.assemble import SseDecoder
@@ -52,6 +52,7 @@ from ..host import Host, ModelRuntime
 from ..host.completion import Completion, Owner
 from .auth import request_owner
 from .errors import json_response
+from .exchange import Counts, current_exchange
 from .metrics_endpoint import resolve_model, token_counts
 from .ollama_translate import (
     CHAT_PATH,
@@ -84,7 +85,7 @@ from .ollama_translate import (
     template_supports_tools,
     version_body,
 )
-from .relay import Counts, proxy_completion
+from .relay import proxy_completion
 from .validation import read_json_object
 
 __all__ = ["NDJSON", "OllamaShaper", "RequestClock", "bp", "has_projector", "model_facts"]
@@ -549,7 +550,7 @@ async def _embedding(translate: Callable[[Mapping[str, Any]], EngineRequest]) ->
     if result.head.status != 200:
         return engine_failure(result.head.status, result.content)
     data = _engine_json(result)
-    g.gezel_counts = token_counts(data)
+    current_exchange().counts = token_counts(data)
     return json_response(answer_body(translated, data, clock.wall()))
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from quart import Blueprint, Response, current_app, request
+from quart import Blueprint, Response, request
 
 from ..engine.assemble import Shape
 from ..errors import FieldError
@@ -22,6 +22,7 @@ from ..host import Host
 from ..host.completion import Completion
 from .auth import request_owner
 from .errors import json_response
+from .exchange import current_exchange
 from .metrics_endpoint import resolve_model
 from .relay import PassThrough, proxy_completion, rename_for, whole_engine_call
 from .validation import check_completion_body, read_json_object
@@ -30,8 +31,7 @@ bp = Blueprint("openai", __name__)
 
 
 def _host() -> Host:
-    host: Host = current_app.config["GEZEL_HOST"]
-    return host
+    return current_exchange().host
 
 
 async def passthrough_completion(path: str, *, kind: str, shape: Shape) -> Response:

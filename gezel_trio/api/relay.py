@@ -30,7 +30,7 @@ from functools import partial
 from typing import Any, Protocol
 
 import trio
-from quart import Response, g
+from quart import Response
 
 from ..engine.client import UpstreamHead, UpstreamResult, sse_error_event
 from ..errors import EngineCrashed, EngineFailed, GezelError
@@ -39,6 +39,7 @@ from ..host.completion import Completion, EngineAnswer, Item, Owner, StreamJob
 from ..scheduler import Grant
 from ..sessions import session_hash
 from .errors import response_for
+from .exchange import Counts, current_exchange
 from .metrics_endpoint import token_counts
 
 log = logging.getLogger("gezel_trio.requests")
@@ -53,10 +54,6 @@ def requested_model(body: dict[str, Any], runtime: ModelRuntime) -> str:
     """The model name the client sent (the runtime's id when it sent none)."""
     named = body.get("model")
     return named if isinstance(named, str) and named else runtime.config.replica_of or runtime.id
-
-
-Counts = tuple[int | None, int | None, int | None]
-"""(prompt, cached, completion) tokens, as :func:`.metrics_endpoint.token_counts` reads them."""
 
 
 class Shaper(Protocol):
@@ -259,12 +256,12 @@ async def proxy_completion(
         return await _stream(host, runtime, completion, owner, shaper)
     answer = await host.completions.complete(runtime, completion, owner)
     _note_for_log(answer.runtime, owner.session, answer.grant)
-    if answer.first_event_at is not None:
-        g.gezel_first_event_at = answer.first_event_at  # its TTFT
+    exchange = current_exchange()
+    exchange.first_event_at = answer.first_event_at  # its TTFT
     result = answer.result
     if isinstance(result, EngineAnswer):
         return shaper.failure(result.status, result.content_type, result.content)
-    g.gezel_counts = token_counts(result)
+    exchange.counts = token_counts(result)
     return Response(
         shaper.answer(result),
         status=200,
@@ -452,7 +449,7 @@ def _waiting_stream(
             fields.update(_log_fields(job.runtime, job.session, job.grant, shaper))
 
     fields = _log_fields(job.runtime, job.session, None, shaper)
-    g.gezel_log = fields
+    current_exchange().log = fields
     resp = Response(body_iter(), status=200, content_type=shaper.media_type, headers=SSE_HEADERS)
     resp.timeout = None
     host.tasks.start_soon(_body_must_start, host, job, body_started)
@@ -467,7 +464,7 @@ def _note_for_log(
 ) -> None:
     """Hand the request log line what only the relay knows (see metrics_endpoint.log_request),
     and, after a KV restore, who verifies it against the answer's cached tokens."""
-    g.gezel_log = _log_fields(runtime, session, grant, shaper)
+    current_exchange().log = _log_fields(runtime, session, grant, shaper)
 
 
 def _log_fields(

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from quart import Blueprint, Response, current_app
+from quart import Blueprint, Response
 
 from ..errors import FieldError
-from ..host import Host
 from ..host.completion import Completion
 from .auth import request_owner
+from .exchange import current_exchange
 from .metrics_endpoint import resolve_model
 from .relay import PassThrough, proxy_completion, rename_for
 from .validation import read_json_object
@@ -69,7 +69,7 @@ def check_responses_body(body: dict[str, Any]) -> None:
 @bp.post("/v1/responses")
 @bp.post("/responses")
 async def create_response() -> Response:
-    host: Host = current_app.config["GEZEL_HOST"]
+    host = current_exchange().host
     body = await read_json_object()
     check_responses_body(body)
     owner = request_owner(host, body)

@@ -9,16 +9,28 @@ from typing import Any
 from quart import request
 
 from ..errors import BadRequest, FieldError
+from .exchange import exchange_or_none
 
 
 async def read_json_object() -> dict[str, Any]:
-    """The request body as a JSON object.
+    """The request body as a JSON object: the one the front read already (the lean
+    front), else read through Quart.
 
     Raises 413 (via Quart) when the body is over the limit, and
     :class:`BadRequest` when it is not UTF-8 JSON or not an object.
     """
-    raw = await request.get_data(cache=False, as_text=False)
-    assert isinstance(raw, bytes)
+    exchange = exchange_or_none()
+    raw = exchange.raw if exchange is not None else None
+    if raw is None:
+        data = await request.get_data(cache=False, as_text=False)
+        assert isinstance(data, bytes)
+        raw = data
+    return parse_json_object(raw)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """``raw`` as a JSON object; :class:`BadRequest` when it is not UTF-8 JSON or not an
+    object."""
     if not raw:
         raise BadRequest("the request body is empty; send a JSON object")
     try:

@@ -20,7 +20,12 @@ streams. Two rules live here and nowhere else:
 
 The client also counts what it sends (``calls`` by action, and a short ring of
 recent calls), which is how tests and ``/api/status`` see the upstream calls a
-request cost.
+request cost; ``calls["tcp_connect"]`` counts the TCP connections it opened.
+llama-server closes the connection after every streamed answer (measured on b10435
+whatever the request's ``Connection`` header: its chunked writer ends the response
+by reporting a cancelled write), and every completion is streamed from the engine,
+so each one opens a connection; control calls and other forwarded requests reuse
+the pool's.
 """
 
 from __future__ import annotations
@@ -112,6 +117,10 @@ class EngineEndpoint(Protocol):
     def crash_error(self, detail: str) -> EngineCrashed: ...
 
 
+CONNECT = "tcp_connect"
+"""The key of :attr:`EngineClient.calls` that counts the TCP connections opened."""
+
+
 def _head(resp: httpx.Response) -> UpstreamHead:
     headers = tuple(
         (k.lower(), v) for k, v in resp.headers.multi_items() if k.lower() not in _DROP_HEADERS
@@ -121,17 +130,20 @@ def _head(resp: httpx.Response) -> UpstreamHead:
 
 class _Trace:
     """httpcore's trace events for one attempt: was the connection reused, and did any
-    byte of the engine's answer arrive?"""
+    byte of the engine's answer arrive? ``opened`` is called when it opened a new one."""
 
-    __slots__ = ("answered", "fresh")
+    __slots__ = ("answered", "fresh", "opened")
 
-    def __init__(self) -> None:
+    def __init__(self, opened: Callable[[], None] | None = None) -> None:
         self.fresh = False
         self.answered = False
+        self.opened = opened
 
     async def __call__(self, name: str, info: Mapping[str, Any]) -> None:
         if name.startswith(("connection.connect_tcp", "connection.connect_unix")):
             self.fresh = True
+            if self.opened is not None and name.endswith(".complete"):
+                self.opened()
         elif name in (
             "http11.receive_response_headers.complete",
             "http2.receive_response_headers.complete",
@@ -149,11 +161,14 @@ class _Trace:
 
 
 async def _send(
-    send: Callable[[httpx.Request], Awaitable[httpx.Response]], request: httpx.Request
+    send: Callable[[httpx.Request], Awaitable[httpx.Response]],
+    request: httpx.Request,
+    opened: Callable[[], None] | None = None,
 ) -> httpx.Response:
-    """``send(request)`` under the one retry rule (see the module docstring)."""
+    """``send(request)`` under the one retry rule (see the module docstring); ``opened``
+    is called for each new connection it opens."""
     for attempt in (1, 2):
-        trace = _Trace()
+        trace = _Trace(opened)
         request.extensions = {**request.extensions, "trace": trace}
         try:
             return await send(request)
@@ -267,7 +282,10 @@ class EngineClient:
                     await resp.aclose()
             return resp
 
-        return await _send(send, request)
+        return await _send(send, request, self._opened)
+
+    def _opened(self) -> None:
+        self.calls[CONNECT] += 1
 
     def _note(self, action: str, slot: int | None = None) -> None:
         self.calls[action] += 1

@@ -32,7 +32,6 @@ from typing import Any, Protocol
 
 import trio
 
-from .._trio import unwrapping
 from ..config import Config
 from ..engine.assemble import Shape, SseDecoder, StreamAssembler
 from ..engine.client import UpstreamHead
@@ -192,19 +191,26 @@ class StallGuard:
 
     async def send(self, value: UpstreamHead | bytes, /) -> None:
         """Raises BrokenResourceError after ``stall_s`` without room in the channel,
-        EngineFailed for a second head that is not a 200."""
+        EngineFailed for a second head that is not a 200. It waits (a checkpoint) only
+        when the channel is full: the engine's stream, which it is fed from, checkpoints
+        on every read. Cancellation while it waits leaves the value unsent."""
         if isinstance(value, UpstreamHead):
             if self._head is not None:
                 if value.status == 200 and self._head.status == 200:
                     return
                 raise EngineFailed(f"the engine answered {value.status} when sent again")
             self._head = value
-        with trio.move_on_after(self._stall_s):
-            await self._channel.send(value)
-            if not isinstance(value, UpstreamHead):
-                self.events += 1
-            return
-        raise trio.BrokenResourceError(f"the client read nothing for {self._stall_s:g}s")
+        try:
+            self._channel.send_nowait(value)  # the usual case: no deadline to arm
+        except trio.WouldBlock:
+            with trio.move_on_after(self._stall_s) as waited:
+                await self._channel.send(value)
+            if waited.cancelled_caught:
+                raise trio.BrokenResourceError(
+                    f"the client read nothing for {self._stall_s:g}s"
+                ) from None
+        if not isinstance(value, UpstreamHead):
+            self.events += 1
 
 
 @dataclass(slots=True)
@@ -444,6 +450,34 @@ async def _engine_went_away(runtime: ModelRuntime, grant: Grant) -> bool:
     return gone() or engine.state.value is not EngineState.READY
 
 
+class _Assembling:
+    """The :class:`~gezel_trio.engine.client.Sink` of a non-streamed completion: the
+    engine's head, then its chunks decoded and merged as they come, in the task that
+    reads the stream (no task or channel between them)."""
+
+    __slots__ = ("assembler", "decoder", "events", "first", "head", "raw")
+
+    def __init__(self, completion: Completion) -> None:
+        self.assembler = StreamAssembler(completion.shape, keep_tokens=completion.keep_tokens)
+        self.decoder = SseDecoder()
+        self.head: UpstreamHead | None = None
+        self.raw: list[bytes] = []
+        self.first: float | None = None
+        self.events = 0
+
+    async def send(self, value: UpstreamHead | bytes, /) -> None:
+        if isinstance(value, UpstreamHead):
+            self.head = value
+        elif self.head is not None and self.head.status != 200:
+            self.raw.append(value)
+        else:
+            for event in self.decoder.feed(value):
+                if not self.events:
+                    self.first = time.perf_counter()
+                self.events += 1
+                self.assembler.feed(event)
+
+
 async def _assembled(
     runtime: ModelRuntime, completion: Completion, grant: Grant
 ) -> tuple[dict[str, Any] | EngineAnswer, float | None]:
@@ -454,41 +488,18 @@ async def _assembled(
     streamed = {**upstream_body(completion.body, grant), "stream": True}
     if completion.shape in ("chat", "text"):
         streamed["stream_options"] = {"include_usage": True}
-    send, recv = trio.open_memory_channel[UpstreamHead | bytes](64)
-    assembler = StreamAssembler(completion.shape, keep_tokens=completion.keep_tokens)
-    decoder = SseDecoder()
-    head: UpstreamHead | None = None
-    raw: list[bytes] = []
-    first: float | None = None
-
-    async def produce() -> None:
-        async with send:
-            await runtime.client.stream(completion.path, streamed, send, slot=grant.slot_id)
-
-    events = 0
+    sink = _Assembling(completion)
     try:
-        async with unwrapping(), trio.open_nursery() as nursery:
-            nursery.start_soon(produce)
-            async with recv:
-                async for item in recv:
-                    if isinstance(item, UpstreamHead):
-                        head = item
-                    elif head is not None and head.status != 200:
-                        raw.append(item)
-                    else:
-                        for event in decoder.feed(item):
-                            if not events:
-                                first = time.perf_counter()
-                            events += 1
-                            assembler.feed(event)
+        await runtime.client.stream(completion.path, streamed, sink, slot=grant.slot_id)
     except EngineCrashed as exc:
-        if events == 0 and not isinstance(exc, _NothingGenerated):
+        if sink.events == 0 and not isinstance(exc, _NothingGenerated):
             raise _NothingGenerated(exc.message) from exc
         raise
-    if head is None:  # pragma: no cover - the producer raised, and that left the nursery
+    head, first, assembler = sink.head, sink.first, sink.assembler
+    if head is None:  # pragma: no cover - the stream raised before its head
         raise EngineCrashed("the engine closed the stream before answering")
     if head.status != 200:
-        return EngineAnswer(head.status, head.content_type, b"".join(raw)), first
+        return EngineAnswer(head.status, head.content_type, b"".join(sink.raw)), first
     if assembler.error is not None:
         error = assembler.error.get("error")
         code = error.get("code") if isinstance(error, dict) else None
