@@ -53,16 +53,11 @@ from gezel_trio.scheduler import (  # noqa: E402
     SlotMeasurement,
     open_scheduler,
 )
-from gezel_trio.scheduler.dispatcher import _TrioJob  # noqa: E402
-from gezel_trio.scheduler.policy import (  # noqa: E402
-    Admit,
-    Job,
-    JobState,
-    Load,
-    Residency,
-    RunExclusive,
-    SchedulerPolicy,
-)
+from gezel_trio.scheduler.admission import Admit, Load, RunExclusive  # noqa: E402
+from gezel_trio.scheduler.jobs import JobState, Residency  # noqa: E402
+from gezel_trio.scheduler.policy import SchedulerPolicy  # noqa: E402
+from gezel_trio.scheduler.queues import Job  # noqa: E402
+from gezel_trio.scheduler.trio_job import _TrioJob  # noqa: E402
 
 RESULTS = Path(os.environ.get("GEZEL_BENCH_RESULTS") or ROOT / "results")
 SESSIONS_PER_MODEL = 50  # keyed chats per model; every 5th job is keyless

@@ -27,7 +27,8 @@ from gezel_trio.config import ModelConfig, apply_env, config_from_mapping
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.errors import ConfigError
 from gezel_trio.host import Host, open_host
-from gezel_trio.scheduler.policy import Admit, Job, Load, SchedulerPolicy, choose_slot
+from gezel_trio.scheduler.admission import Admit, Load, choose_slot
+from gezel_trio.scheduler.policy import SchedulerPolicy
 from gezel_trio.scheduler.prefix import (
     MAX_BLOCKS,
     Prefix,
@@ -35,6 +36,7 @@ from gezel_trio.scheduler.prefix import (
     prefix_blocks,
     shared_blocks,
 )
+from gezel_trio.scheduler.queues import Job
 from gezel_trio.scheduler.slots import Content, Preparation, SlotTable
 from gezel_trio.sessions import SessionKeys
 

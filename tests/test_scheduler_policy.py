@@ -15,19 +15,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gezel_trio.errors import QueueFull, UnknownModel
-from gezel_trio.scheduler.policy import (
+from gezel_trio.scheduler.admission import (
     Admit,
-    Job,
-    JobKind,
-    JobState,
     Load,
     RunExclusive,
-    SchedulerPolicy,
-    SlotMeasurement,
-    _JobDeque,
     admission_capacity,
     choose_slot,
 )
+from gezel_trio.scheduler.jobs import JobKind, JobState, SlotMeasurement
+from gezel_trio.scheduler.policy import SchedulerPolicy
+from gezel_trio.scheduler.queues import Job, _JobDeque
 from gezel_trio.scheduler.slots import SlotTable
 
 

@@ -994,7 +994,7 @@ def test_a_restart_forgets_a_save_in_flight() -> None:
 
 
 def test_placement_avoids_a_slot_being_saved_unless_its_owner_continues_it() -> None:
-    from gezel_trio.scheduler.policy import choose_slot
+    from gezel_trio.scheduler.admission import choose_slot
 
     table = SlotTable(2, generation=1)
     _holding(table, 0, "ann", (1, 2))

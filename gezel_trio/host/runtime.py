@@ -29,7 +29,7 @@ from ..errors import EngineFailed, FieldError, GezelError
 from ..gpu.arbiter import GpuArbiter
 from ..gpu.placement import Placement
 from ..kvstore import KvCompat, KvEntry, KvModelStats, KvStore, file_identity
-from ..scheduler.policy import SlotMeasurement
+from ..scheduler.jobs import SlotMeasurement
 from ..scheduler.prefix import Prefix
 from .calibration import CalibrationState
 from .metrics import Metrics

@@ -1,39 +1,41 @@
 """The scheduler: every request into the right engine slot, fairly, with no cross-chat KV.
 
 :mod:`.policy` holds the pure rules (queue ordering, turns, fairness, capacity,
-pinning); :mod:`.slots` the slot table (what each slot holds, who owns and who
-is pinned to it); :mod:`.prefix` a request's prefix blocks (placement within an
-owner); :mod:`.dispatcher` is the Trio layer (:func:`open_scheduler`,
-``async with scheduler.slot(...)``).
+pinning), over :mod:`.jobs` (the values), :mod:`.queues` (queued jobs and their
+deques), :mod:`.admission` (turns, capacity, slot choice), :mod:`.pool` (the
+replica pool) and :mod:`.stats`; :mod:`.slots` the slot table (what each slot
+holds, who owns and who is pinned to it); :mod:`.prefix` a request's prefix blocks
+(placement within an owner). :mod:`.dispatcher` is the Trio layer
+(:func:`open_scheduler`, ``async with scheduler.slot(...)``, the dispatch pass),
+with :mod:`.settings`, :mod:`.lanes` (what it needs of an engine),
+:mod:`.preparation` (park, restore or erase before a job), :mod:`.maintenance`
+(slot work off the critical path) and :mod:`.reconcile` (``/slots`` samples).
 """
 
 from __future__ import annotations
 
+from gezel_trio.scheduler.admission import admission_capacity
 from gezel_trio.scheduler.dispatcher import (
-    EngineLane,
-    ParkingLane,
     Scheduler,
     SchedulerClosed,
-    SchedulerSettings,
     SlotRequest,
     open_scheduler,
 )
-from gezel_trio.scheduler.policy import (
+from gezel_trio.scheduler.jobs import (
     EXCLUSIVE_KINDS,
     JOB_KINDS,
-    ActiveOp,
     Grant,
     JobKind,
     LaneInfo,
     Residency,
-    SchedulerPolicy,
-    SchedulerStats,
     SlotMeasurement,
-    admission_capacity,
-    hash_session,
 )
+from gezel_trio.scheduler.lanes import EngineLane, ParkingLane
+from gezel_trio.scheduler.policy import SchedulerPolicy
 from gezel_trio.scheduler.prefix import Prefix, prefix_blocks
+from gezel_trio.scheduler.settings import SchedulerSettings
 from gezel_trio.scheduler.slots import Content, SlotTable
+from gezel_trio.scheduler.stats import ActiveOp, SchedulerStats, hash_session
 
 __all__ = [
     "EXCLUSIVE_KINDS",

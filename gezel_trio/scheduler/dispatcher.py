@@ -17,36 +17,9 @@ dispatcher. A granted job holds its engine from that moment (the lane's
 ``hold()``, so no idle or pressure release can stop it) until its block exits.
 
 The caller's ``async with`` then takes the GPU lease and *prepares* the slot
-from the model's :class:`~gezel_trio.scheduler.slots.SlotTable`: it parks the
-outgoing owner's KV (unless its parked copy is current), restores the caller's
-own parked copy that shares the longest prefix with its request, or erases the
-slot, recording each transition before the I/O. Every owner is parked alike: a
-named session, a caller's keyless owner, a keyless conversation. Only
-a slot whose content is the job's own owner's, or empty, is handed over to a
-job with an owner (a named session, or a caller's keyless owner); when an
-erase is not acknowledged the request fails (503) and the slot stays unknown.
-A keyless job without an owner (``[scheduler] keyless = "blind"``) is blind
-(``grant.blind``: the caller sends it with ``cache_prompt`` off, so it reads
-nothing the slot held) and needs no erase before it. Exit records what the
-slot now holds and wakes the dispatcher on every path. The slot a blind job
-leaves is erased off the critical path once it has stayed idle for
-``idle_erase_delay`` (pinned until the engine acknowledges), or before an
-owner's job takes it, whichever comes first.
-
-With ``save_idle_slots``, the slot an owner's job leaves is saved off the
-critical path once it has stayed idle for ``save_idle_delay``: the slot is
-marked *being saved* in the table (not pinned), a job placed on it waits for the
-save before anything is sent to it, and the copy is then current, so a handoff
-skips the save: a keyed handoff makes 2 upstream calls (restore or erase, then
-the request) instead of 3. ``statistics().parking`` counts ``handoffs`` and their
-``handoff_calls`` (the requests included) and ``saved_idle``.
-
-For engines the host spawned, free slots come from the table; ``/slots`` is
-only sampled to reconcile (after each engine start, every
-``reconcile_interval``, and when capacity is zero): a slot busy with work the
-host did not send is held out and erased before use. External engines may have
-other clients, so each admission there consumes a fresh sample, and only slots
-it names idle are pinned.
+(:mod:`.preparation`); slot work off the critical path is :mod:`.maintenance`'s,
+``/slots`` samples and reconciliation :mod:`.reconcile`'s. Exit records what the
+slot now holds and wakes the dispatcher on every path.
 """
 
 from __future__ import annotations
@@ -55,52 +28,43 @@ import copy
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import (
-    AbstractAsyncContextManager,
-    AbstractContextManager,
-    AsyncExitStack,
-    asynccontextmanager,
-)
-from dataclasses import dataclass, field
-from functools import partial
+from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import TypeVar
 
 import trio
 
 from gezel_trio._trio import unwrapping
 from gezel_trio.errors import (
-    EngineCrashed,
     EngineFailed,
     EngineStopped,
     GezelError,
     SchedulerClosed,
     UnknownModel,
 )
-from gezel_trio.scheduler.policy import (
+from gezel_trio.scheduler.admission import Admit, Load, RunExclusive
+from gezel_trio.scheduler.jobs import (
     JOB_KINDS,
-    Admit,
     Grant,
-    Job,
     JobKind,
     JobState,
-    LaneInfo,
-    Load,
     Residency,
-    RunExclusive,
-    SchedulerPolicy,
-    SchedulerStats,
     SlotMeasurement,
 )
-from gezel_trio.scheduler.prefix import Prefix, is_prefix, shared_blocks
-from gezel_trio.scheduler.slots import Content
+from gezel_trio.scheduler.lanes import EngineLane
+from gezel_trio.scheduler.maintenance import SlotMaintenance
+from gezel_trio.scheduler.policy import SchedulerPolicy
+from gezel_trio.scheduler.prefix import Prefix
+from gezel_trio.scheduler.preparation import SlotPreparer
+from gezel_trio.scheduler.queues import Job
+from gezel_trio.scheduler.reconcile import Reconciler
+from gezel_trio.scheduler.settings import SchedulerSettings
+from gezel_trio.scheduler.stats import SchedulerStats
+from gezel_trio.scheduler.trio_job import _TrioJob
 
 __all__ = [
-    "EngineLane",
-    "ParkingLane",
     "Scheduler",
     "SchedulerClosed",
-    "SchedulerSettings",
     "SlotRequest",
     "open_scheduler",
 ]
@@ -108,134 +72,6 @@ __all__ = [
 log = logging.getLogger("gezel_trio.scheduler")
 
 T = TypeVar("T")
-
-
-@runtime_checkable
-class ParkingLane(Protocol):
-    """A lane that can park a session's KV on disk and bring it back (slot save/restore)."""
-
-    @property
-    def parking_enabled(self) -> bool:
-        """False for a model whose restores proved not to take (it erases instead)."""
-        ...
-
-    def is_parked(self, session: str | None, prefix: Prefix | None = None) -> bool:
-        """Whether ``session`` has a parked copy to restore for a request of ``prefix``
-        blocks (None: any copy)."""
-        ...
-
-    def parked_blocks(self, session: str | None, prefix: Prefix | None = None) -> Prefix | None:
-        """The blocks of the copy a restore for ``prefix`` would bring back (None: none)."""
-        ...
-
-    def is_current(self, session: str, blocks: Prefix) -> bool:
-        """Whether a parked copy of ``session`` holds exactly ``blocks``."""
-        ...
-
-    def note_miss(self) -> None:
-        """A keyed job found its session neither in its slot nor parked."""
-        ...
-
-    async def park_slot(self, slot_id: int, session: str, blocks: Prefix = ()) -> int:
-        """Save the slot's KV for ``session`` as a copy of ``blocks``: the tokens saved
-        (0: the slot was empty)."""
-        ...
-
-    async def unpark_slot(self, slot_id: int, session: str, prefix: Prefix | None = None) -> int:
-        """Restore ``session``'s parked copy for ``prefix`` into the slot: the tokens
-        restored (0: none)."""
-        ...
-
-
-class EngineLane(LaneInfo, Protocol):
-    """What the scheduler needs from one model's engine."""
-
-    @property
-    def ready(self) -> bool:
-        """The engine is running and answering (requests can be sent now)."""
-        ...
-
-    async def ensure_resident(self) -> None:
-        """Start or switch the engine lazily; raises project errors (EngineFailed, NoCapacity)."""
-        ...
-
-    async def wait_failed(self) -> None:
-        """Return once the engine has failed (dead, or its health checks fail)."""
-        ...
-
-    async def measure_slots(self) -> SlotMeasurement | None:
-        """``GET /slots``; ``None`` when unknown."""
-        ...
-
-    async def erase_slot(self, slot_id: int) -> None:
-        """``POST /slots/{id}?action=erase``; returns once acknowledged, may raise."""
-        ...
-
-    def hold(self) -> AbstractContextManager[object]:
-        """Keep the engine from being stopped (idle TTL, pressure) while entered."""
-        ...
-
-    def lease(self) -> AbstractAsyncContextManager[object]:
-        """The GPU lease a running job holds (protects it from eviction)."""
-        ...
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerSettings:
-    """Every knob of the scheduler, in one place (config, host, tests, benchmarks).
-
-    ``residency``: ``swap`` (one model resident at a time, one turn for all) or
-    ``coexist`` (each model its own turns). ``max_queue`` bounds queued jobs
-    (QueueFull beyond). ``slot_poll``: the ``/slots`` poll interval when capacity
-    is zero and none of our jobs runs. ``reconcile_interval``: background
-    ``/slots`` reconciliation of spawned engines. ``measure_timeout``,
-    ``erase_timeout`` and ``park_timeout`` bound one sample, one erase and one
-    save or restore. ``save_idle_slots``: save an owner's slot in the background
-    once it has stayed idle ``save_idle_delay`` seconds after its job (with
-    ``kv_parking``), so that a handoff finds its copy current.
-    """
-
-    residency: Residency = "swap"
-    max_queue: int = 256
-    slot_poll: float = 0.25
-    affinity: bool = True
-    affinity_max_wait: float = 1.0
-    erase_on_handoff: bool = True
-    kv_parking: bool = True
-    measure_timeout: float = 2.0
-    erase_timeout: float = 5.0
-    park_timeout: float = 30.0
-    reconcile_interval: float = 5.0
-    idle_erase_delay: float = 0.1
-    save_idle_slots: bool = True
-    save_idle_delay: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.slot_poll <= 0:
-            raise ValueError(f"slot_poll must be > 0, not {self.slot_poll}")
-        if self.reconcile_interval <= 0:
-            raise ValueError(f"reconcile_interval must be > 0, not {self.reconcile_interval}")
-        if self.idle_erase_delay < 0:
-            raise ValueError(f"idle_erase_delay must be >= 0, not {self.idle_erase_delay}")
-        if self.save_idle_delay < 0:
-            raise ValueError(f"save_idle_delay must be >= 0, not {self.save_idle_delay}")
-
-
-@dataclass(frozen=True, eq=False, slots=True)
-class _Cleanup:
-    """The pin of a background erase (no job holds the slot meanwhile), or the mark of a
-    background save."""
-
-    model_id: str
-    slot: int
-
-
-@dataclass(eq=False, slots=True)
-class _TrioJob(Job):
-    granted: trio.Event = field(default_factory=trio.Event)
-    error: BaseException | None = None
-    hold: AbstractContextManager[object] | None = None
-    scope: trio.CancelScope | None = None
 
 
 class SlotRequest:
@@ -272,7 +108,7 @@ class SlotRequest:
             await self._stack.__aenter__()
             job.scope = self._stack.enter_context(trio.CancelScope())
             await self._stack.enter_async_context(lane.lease())
-            return await scheduler._prepare(job, lane)
+            return await scheduler._preparer.prepare(job, lane)
         except BaseException as exc:
             await self._stack.__aexit__(type(exc), exc, exc.__traceback__)
             scheduler._release(job)
@@ -320,12 +156,19 @@ class Scheduler:
         self._nursery: trio.Nursery | None = None
         self._closed = False
         self._running: set[_TrioJob] = set()
-        self._measure_failing: set[str] = set()
-        self._measuring: set[str] = set()  # models with a /slots sample in flight
-        self._measured: dict[str, SlotMeasurement | None] = {}  # samples for the next pass
-        self._reconciled_at: dict[str, float] = {}
-        self._reconciled_generation: dict[str, int] = {}
-        self._saves: dict[tuple[str, int], trio.Event] = {}  # background saves in flight
+        self._maintenance = SlotMaintenance(
+            policy=self._policy, lanes=self._lanes, settings=settings, wake=self._wake
+        )
+        self._preparer = SlotPreparer(
+            policy=self._policy, settings=settings, maintenance=self._maintenance, wake=self._wake
+        )
+        self._reconciler = Reconciler(
+            policy=self._policy,
+            lanes=self._lanes,
+            settings=settings,
+            wake=self._wake,
+            poll_later=self._poll_later,
+        )
 
     def __repr__(self) -> str:
         stats = self._policy.snapshot()
@@ -501,11 +344,12 @@ class Scheduler:
             table = policy.table_of(job)
             if slot < len(table):
                 released = table.slots[slot].released
+                maintenance = self._maintenance
                 if job.session is None:
-                    self._nursery.start_soon(self._erase_when_idle, job, lane, released)
-                elif self.settings.save_idle_slots and self._parking(lane):
+                    self._nursery.start_soon(maintenance.erase_when_idle, job, lane, released)
+                elif self.settings.save_idle_slots and maintenance.parking(lane):
                     self._nursery.start_soon(
-                        self._save_when_idle, job.model_id, lane, slot, released
+                        maintenance.save_when_idle, job.model_id, lane, slot, released
                     )
         self._wake()
 
@@ -520,438 +364,22 @@ class Scheduler:
         job.error = error
         job.granted.set()
 
-    # ------------------------------------------------------------------ preparation
-
-    def _check_pin(self, job: _TrioJob) -> None:
-        table = self._policy.table_of(job)
-        if job.slot_id is not None and table.pinned_to(job.slot_id) is not job:
-            raise EngineCrashed(
-                f"the engine for {job.model_id!r} restarted with fewer slots before the "
-                "request was sent; it was not sent"
-            )
-
-    async def _prepare(self, job: _TrioJob, lane: EngineLane) -> Grant:
-        """Make the job's slot safe (and warm) for it and return its grant.
-
-        Each step is recorded in the slot table before its I/O: a step cut short
-        by cancellation or a failure leaves the slot unknown. Raises EngineFailed
-        when the slot cannot be made safe (the request is not sent).
-        """
-        if not job.exclusive and not lane.ready:
-            # The engine went away after admission (a crash): restart it lazily
-            # rather than fail a request the engine never saw. If that fails, a
-            # replica hands the rest of its queue on before this job fails.
-            try:
-                await lane.ensure_resident()
-            except GezelError:
-                if self._policy.member_down(job.model_id):
-                    self._wake()
-                raise
-        calls, erased, restored = 0, False, 0
-        slot = job.slot_id
-        if slot is not None:
-            if lane.sole_client:
-                calls, erased, restored = await self._prepare_slot(job, lane, slot)
-            else:
-                calls, erased, restored = await self._prepare_watched(job, lane, slot)
-        job.ran = True
-        return Grant(
-            model_id=job.model_id,
-            slot_id=slot,
-            blind=slot is not None and job.session is None,
-            erased=erased,
-            queue_wait_s=trio.current_time() - job.submitted_at,
-            prepare_calls=calls,
-            generation=self._policy.table_of(job).generation,
-            restored_tokens=restored,
-        )
-
-    async def _prepare_watched(
-        self, job: _TrioJob, lane: EngineLane, slot: int
-    ) -> tuple[int, bool, int]:
-        """:meth:`_prepare_slot` on an engine the host does not run, abandoned when the
-        engine fails meanwhile: a hung external engine answers no slot call, and its
-        health checks say so sooner than the calls' own timeouts. The slot is left
-        unknown and EngineFailed raised (the request is not sent)."""
-        result = await _unless_failed(lane, partial(self._prepare_slot, job, lane, slot))
-        if result is None:
-            raise EngineFailed(
-                f"the engine for {job.model_id!r} failed while slot {slot} was prepared; "
-                "the request was not sent"
-            )
-        return result[0]
-
-    def _parking(self, lane: EngineLane | None) -> bool:
-        return self.settings.kv_parking and isinstance(lane, ParkingLane) and lane.parking_enabled
-
-    async def _wait_for_save(self, model_id: str, slot: int) -> None:
-        """Return once no background save is in flight on ``slot`` (at most
-        ``park_timeout``: the save's own bound). Cancellation just stops the wait."""
-        while self._policy.table(model_id).saving(slot) is not None:
-            done = self._saves.get((model_id, slot))
-            if done is None:
-                return
-            with trio.move_on_after(self.settings.park_timeout) as scope:
-                await done.wait()
-            if scope.cancelled_caught:
-                return
-
-    async def _prepare_slot(
-        self, job: _TrioJob, lane: EngineLane, slot: int
-    ) -> tuple[int, bool, int]:
-        """Park, restore or erase ``slot`` until it holds only ``job``'s session's KV (or
-        nothing); returns (upstream calls made, erased or restored, tokens restored
-        that the next completion should reuse: 0 when the restored copy is not a
-        prefix of the request). A background save of the slot is waited for first:
-        its copy is then current, and the handoff skips the save."""
-        await self._wait_for_save(job.model_id, slot)
-        calls = 0
-        erased = False
-        restored = 0
-        parking = self._parking(lane)
-        restore_failed = False
-        prefix = job.prefix
-
-        def is_parked(session: str) -> bool:
-            return (
-                not restore_failed
-                and isinstance(lane, ParkingLane)
-                and lane.is_parked(session, prefix)
-            )
-
-        def is_current(session: str, blocks: Prefix) -> bool:
-            return isinstance(lane, ParkingLane) and lane.is_current(session, blocks)
-
-        def parked_shares(session: str) -> int | None:
-            if restore_failed or not isinstance(lane, ParkingLane):
-                return None
-            blocks = lane.parked_blocks(session, prefix)
-            return None if blocks is None else shared_blocks(blocks, prefix)
-
-        first_owner = self._policy.table_of(job).owner(slot)
-        handoff = job.session is not None and first_owner not in (None, job.session)
-        for _ in range(4):
-            self._check_pin(job)
-            table = self._policy.table_of(job)
-            prep = table.preparation(
-                slot,
-                job.session,
-                erase_on_handoff=self._policy.erase_on_handoff,
-                parking=parking,
-                is_parked=is_parked,
-                prefix=prefix,
-                is_current=is_current,
-                parked_shares=parked_shares,
-            )
-            owner = table.owner(slot)
-            if parking and owner is not None and owner != job.session and prep.park is None:
-                self._policy.parks_skipped += 1  # its parked copy is still current
-            if (
-                parking
-                and calls == 0
-                and job.session is not None
-                and owner != job.session
-                and not prep.restore
-            ):
-                assert isinstance(lane, ParkingLane)
-                lane.note_miss()
-            if prep.calls == 0:
-                break
-            calls += prep.calls
-            if prep.park is not None:
-                assert isinstance(lane, ParkingLane)
-                if not await self._park(job, lane, prep.park):
-                    parking = False  # that session re-prefills later; go on without
-            if prep.restore:
-                assert isinstance(lane, ParkingLane) and job.session is not None
-                restored = await self._restore(job, lane, job.session)
-                if restored:
-                    erased = True
-                else:
-                    restore_failed = True
-            elif prep.erase:
-                await self._erase(job, lane)
-                erased = True
-        else:  # pragma: no cover - each round makes progress or raises
-            raise EngineFailed(f"slot {slot} of {job.model_id!r} could not be prepared")
-        self._check_pin(job)
-        table = self._policy.table_of(job)
-        blocks = table.blocks(slot)
-        if restored and prefix and blocks and not is_prefix(blocks, prefix):
-            restored = 0  # another branch of the conversation: only a part is reused
-        if handoff:
-            self._policy.handoffs += 1
-            self._policy.handoff_calls += calls + 1  # and the request itself
-        table.sending(slot, job)
-        return calls, erased, restored
-
-    async def _park(self, job: _TrioJob, lane: ParkingLane, session: str) -> bool:
-        """Save ``session``'s KV before its slot changes hands; False when it failed
-        (logged and counted: the handoff goes on, that session re-prefills later)."""
-        slot = job.slot_id
-        assert slot is not None
-        blocks = self._policy.table_of(job).blocks(slot)
-        with trio.move_on_after(self.settings.park_timeout):
-            try:
-                saved = await lane.park_slot(slot, session, blocks)
-            except Exception as exc:
-                log.warning("parking %s slot %d failed: %r", job.model_id, slot, exc)
-            else:
-                self._check_pin(job)
-                table = self._policy.table_of(job)
-                if saved:
-                    table.parked(slot, job, session)
-                    self._policy.parks_saved += 1
-                else:  # the engine says the slot holds no token: it is empty
-                    table.erased(slot, job)
-                return True
-        self._policy.parks_failed += 1
-        return False
-
-    async def _restore(self, job: _TrioJob, lane: ParkingLane, session: str) -> int:
-        """Restore the job's own parked copy sharing the longest prefix with its request
-        into its slot (which also replaces whatever the slot held): the tokens restored.
-        0 when it did not take: the slot is then unknown."""
-        slot = job.slot_id
-        assert slot is not None
-        blocks = lane.parked_blocks(session, job.prefix) or ()
-        self._policy.table_of(job).sending(slot, job)
-        restored = 0
-        with trio.move_on_after(self.settings.park_timeout):
-            try:
-                restored = await lane.unpark_slot(slot, session, job.prefix)
-            except Exception as exc:
-                log.warning("restoring %s slot %d failed: %r", job.model_id, slot, exc)
-        if not restored:
-            self._policy.parks_failed += 1
-            return 0
-        self._check_pin(job)
-        self._policy.table_of(job).restored(slot, job, session, keyless=job.keyless, blocks=blocks)
-        self._policy.parks_restored += 1
-        return restored
-
-    async def _erase(self, job: _TrioJob, lane: EngineLane) -> None:
-        """Erase the job's slot and await the acknowledgement. Raises EngineFailed when
-        the engine does not acknowledge it (the slot stays unknown)."""
-        slot = job.slot_id
-        assert slot is not None
-        self._policy.table_of(job).sending(slot, job)
-        failure = f"no answer within {self.settings.erase_timeout:g}s"
-        with trio.move_on_after(self.settings.erase_timeout):
-            try:
-                await lane.erase_slot(slot)
-            except Exception as exc:
-                failure = repr(exc)
-            else:
-                self._check_pin(job)
-                self._policy.table_of(job).erased(slot, job)
-                self._policy.note_erase(ok=True)
-                return
-        self._policy.note_erase(ok=False)
-        log.warning("erase of %s slot %d failed: %s", job.model_id, slot, failure)
-        raise EngineFailed(
-            f"the engine for {job.model_id!r} did not acknowledge the erase of slot {slot} "
-            f"({failure}); the request was not sent"
-        )
+    # ------------------------------------------------------------------ parking maintenance
 
     async def park_owned(self, model_id: str) -> int:
-        """Save every slot of ``model_id`` that holds a session's KV not parked yet:
-        what a planned stop of its engine runs before the SIGTERM. Returns how many
-        were saved.
-
-        Background saves in flight end first (each within ``park_timeout``). Each slot
-        is pinned while it is saved (no job can take it meanwhile) and each save has
-        ``park_timeout``; a failed or cut save loses only that session's KV (it
-        re-prefills). Works while the scheduler shuts down too (no tasks needed).
-        Cancellation stops between or inside saves; what was saved stays parked.
-        """
-        lane = self._lanes.get(model_id)
-        if not self._parking(lane):
-            return 0
-        assert isinstance(lane, ParkingLane)
-        for key in [key for key in self._saves if key[0] == model_id]:
-            await self._wait_for_save(*key)  # a background save ends first
-        table = self._policy.table(model_id)
-        generation = table.generation
-        saved = 0
-        for entry in list(table.slots):
-            session = entry.session
-            if (
-                entry.content is not Content.OWNED
-                or session is None
-                or entry.pin is not None
-                or entry.held_out
-                or entry.saving is not None
-                or (entry.parked_current and lane.is_current(session, entry.blocks))
-            ):
-                continue
-            cleanup = _Cleanup(model_id, entry.id)
-            table.pin(entry.id, cleanup)
-            try:
-                with trio.move_on_after(self.settings.park_timeout):
-                    try:
-                        tokens = await lane.park_slot(entry.id, session, entry.blocks)
-                    except Exception as exc:
-                        log.warning("parking %s slot %d failed: %r", model_id, entry.id, exc)
-                        self._policy.parks_failed += 1
-                        continue
-                    table = self._policy.table(model_id)
-                    if table.generation == generation and table.pinned_to(entry.id) is cleanup:
-                        if tokens:
-                            table.parked(entry.id, cleanup, session)
-                        else:
-                            table.erased(entry.id, cleanup)
-                    if tokens:
-                        self._policy.parks_saved += 1
-                        saved += 1
-            finally:
-                self._policy.table(model_id).unpin(entry.id, cleanup)
-                self._wake()
-        return saved
+        """Save every slot of ``model_id`` that holds a session's KV not parked yet (see
+        :meth:`SlotMaintenance.park_owned`): how many were saved."""
+        return await self._maintenance.park_owned(model_id)
 
     def sessions_in_slots(self) -> list[tuple[str, int, str]]:
         """(model id, slot, session) for every slot whose table says it holds a
         session's KV."""
-        out: list[tuple[str, int, str]] = []
-        for model_id in list(self._lanes):
-            for entry in self._policy.table(model_id).slots:
-                if entry.content is Content.OWNED and entry.session is not None:
-                    out.append((model_id, entry.id, entry.session))
-        return out
+        return self._maintenance.sessions_in_slots()
 
     async def erase_session(self, session: str) -> tuple[int, int]:
-        """Erase every idle slot that holds ``session``'s KV: (erased, busy), where busy
-        counts slots a running job of the session holds (not touched). A failed erase
-        leaves the slot unknown (erased before its next use), so it is counted erased:
-        the session's KV is never served from it again. A background save of such a
-        slot ends first, so that the caller's deletion of the parked copies that
-        follows covers it. Cancellation leaves the slot being erased unknown."""
-        erased = busy = 0
-        for model_id, slot, owner in self.sessions_in_slots():
-            if owner != session:
-                continue
-            lane = self._lanes.get(model_id)
-            await self._wait_for_save(model_id, slot)  # its copy is then dropped with the rest
-            table = self._policy.table(model_id)
-            if lane is None or slot >= len(table) or table.owner(slot) != session:
-                continue
-            if (
-                table.pinned_to(slot) is not None
-                or table.slots[slot].held_out
-                or table.saving(slot) is not None
-            ):
-                busy += 1
-                continue
-            cleanup = _Cleanup(model_id, slot)
-            table.pin(slot, cleanup)
-            try:
-                table.sending(slot, cleanup)
-                if lane.ready:
-                    with trio.move_on_after(self.settings.erase_timeout):
-                        try:
-                            await lane.erase_slot(slot)
-                        except Exception as exc:
-                            log.warning("erase of %s slot %d failed: %r", model_id, slot, exc)
-                        else:
-                            table = self._policy.table(model_id)
-                            if table.pinned_to(slot) is cleanup:
-                                table.erased(slot, cleanup)
-                erased += 1
-            finally:
-                self._policy.table(model_id).unpin(slot, cleanup)
-                self._wake()
-        return erased, busy
-
-    async def _erase_when_idle(self, job: _TrioJob, lane: EngineLane, released: int) -> None:
-        """Erase the slot a keyless job left, once nobody has used it for
-        ``idle_erase_delay``. The slot is pinned (to this cleanup) until the engine
-        acknowledges; a failure leaves it unknown (erased before its next keyed use)."""
-        await trio.sleep(self.settings.idle_erase_delay)
-        slot = job.slot_id
-        assert slot is not None
-        table = self._policy.table_of(job)
-        if slot >= len(table) or not lane.ready:
-            return
-        entry = table.slots[slot]
-        if (
-            entry.pin is not None
-            or entry.held_out
-            or entry.content is not Content.KEYLESS
-            or entry.released != released
-        ):
-            return  # used again since (or made fresh by a restart)
-        cleanup = _Cleanup(job.model_id, slot)
-        table.pin(slot, cleanup)
-        try:
-            with lane.hold(), trio.move_on_after(self.settings.erase_timeout):
-                table.sending(slot, cleanup)
-                try:
-                    await lane.erase_slot(slot)
-                except Exception as exc:
-                    log.warning("erase of %s slot %d failed: %r", job.model_id, slot, exc)
-                    self._policy.note_erase(ok=False)
-                    return
-                table = self._policy.table_of(job)
-                if table.pinned_to(slot) is cleanup:
-                    table.erased(slot, cleanup)
-                self._policy.note_erase(ok=True)
-                self._policy.erases_after_keyless += 1
-        finally:
-            self._policy.table_of(job).unpin(slot, cleanup)
-            self._wake()
-
-    async def _save_when_idle(
-        self, model_id: str, lane: EngineLane, slot: int, released: int
-    ) -> None:
-        """Save the KV an owner's job left in ``slot`` once nobody has used the slot for
-        ``save_idle_delay``, unless its parked copy is current already or no handoff
-        is likely (:meth:`SlotTable.handoff_likely`, or another owner waiting). The slot is
-        marked as being saved (not pinned): a job placed on it meanwhile waits for the
-        save (:meth:`_prepare_slot`), and finds the copy current. A failed save is
-        logged and counted (a handoff saves it then). Cancellation (shutdown) cuts the
-        save: the slot keeps its content, its copy not current; the engine's file, if
-        it wrote one, is deleted (:meth:`ModelRuntime.park_slot
-        <gezel_trio.host.runtime.ModelRuntime.park_slot>`)."""
-        await trio.sleep(self.settings.save_idle_delay)
-        table = self._policy.table(model_id)
-        if (
-            not self._parking(lane)
-            or not lane.ready
-            or slot >= len(table)
-            or table.slots[slot].released != released
-        ):
-            return  # used again since (or made fresh by a restart)
-        assert isinstance(lane, ParkingLane)
-        entry = table.slots[slot]
-        if entry.parked_current and lane.is_current(entry.session or "", entry.blocks):
-            return
-        if not (
-            table.handoff_likely(slot) or self._policy.others_waiting(model_id, entry.session)
-        ):
-            return  # a lone owner with clean slots to spare: its handoff may never come
-        mark = _Cleanup(model_id, slot)
-        session = table.begin_save(slot, mark)
-        if session is None:
-            return
-        blocks = entry.blocks
-        self._saves[(model_id, slot)] = done = trio.Event()
-        tokens: int | None = None
-        try:
-            with lane.hold(), trio.move_on_after(self.settings.park_timeout):
-                try:
-                    tokens = await lane.park_slot(slot, session, blocks)
-                except Exception as exc:
-                    log.warning("saving idle %s slot %d failed: %r", model_id, slot, exc)
-        finally:
-            self._policy.table(model_id).end_save(slot, mark, session, tokens=tokens)
-            if tokens is None:
-                self._policy.parks_failed += 1
-            elif tokens:
-                self._policy.parks_idle += 1
-            if self._saves.get((model_id, slot)) is done:
-                del self._saves[(model_id, slot)]
-            done.set()
-            self._wake()
+        """Erase every idle slot that holds ``session``'s KV (see
+        :meth:`SlotMaintenance.erase_session`): (erased, busy)."""
+        return await self._maintenance.erase_session(session)
 
     # ------------------------------------------------------------------ dispatcher
 
@@ -991,8 +419,7 @@ class Scheduler:
         nursery = self._nursery
         assert nursery is not None
         started = time.perf_counter()
-        fresh = self._measured
-        self._measured = {}
+        fresh = self._reconciler.take_samples()
         now = trio.current_time()
         for action in policy.plan():
             if isinstance(action, Admit):
@@ -1001,20 +428,18 @@ class Scheduler:
                 measured: SlotMeasurement | None = None
                 if not lane.sole_client:
                     if model_id not in fresh:
-                        self._start_measure(model_id)
+                        self._reconciler.start_measure(model_id)
                         continue
                     measured = fresh[model_id]
-                elif self._reconciled_generation.get(model_id) != lane.generation:
-                    # a new engine process: reconcile its table once, in the background
-                    self._reconciled_generation[model_id] = lane.generation
-                    self._reconcile_soon(model_id, now)
+                else:  # a new engine process: reconcile its table once, in the background
+                    self._reconciler.reconcile_new_engine(model_id, lane.generation, now)
                 admission = policy.admit(model_id, measured, now=now)
                 for admitted in admission.jobs:
                     assert isinstance(admitted, _TrioJob)
                     self._grant(admitted, lane)
                 if admission.poll:
                     if lane.sole_client:
-                        self._reconcile_soon(model_id, now)
+                        self._reconciler.reconcile_soon(model_id, now)
                     else:
                         self._poll_later(now + self.settings.slot_poll)
             elif isinstance(action, Load):
@@ -1029,111 +454,6 @@ class Scheduler:
                     continue
                 self._grant(job, exclusive_lane)
         policy.note_pass(time.perf_counter() - started)
-
-    def _start_measure(self, model_id: str) -> None:
-        if model_id not in self._measuring:
-            self._measuring.add(model_id)
-            assert self._nursery is not None
-            self._nursery.start_soon(self._measure_task, model_id)
-
-    async def _measure_task(self, model_id: str) -> None:
-        try:
-            self._measured[model_id] = await self._measure(model_id)
-        finally:
-            self._measuring.discard(model_id)
-            self._wake()
-
-    async def _measure(self, model_id: str) -> SlotMeasurement | None:
-        """Sample ``model_id``'s slots; ``None`` when the sample fails or takes longer
-        than ``measure_timeout`` (then nothing can be pinned on an external engine)."""
-        lane = self._lanes.get(model_id)
-        if lane is None:
-            return None
-        timeout = self.settings.measure_timeout
-        failure: str | None = None
-        with trio.move_on_after(timeout):
-            try:
-                if lane.sole_client:
-                    measured = await lane.measure_slots()
-                else:  # a hung external engine: its health checks may tell first
-                    sample = await _unless_failed(lane, lane.measure_slots)
-                    if sample is None:
-                        raise EngineFailed("the engine failed its health checks")
-                    measured = sample[0]
-            except Exception as exc:
-                failure = repr(exc)
-            else:
-                self._policy.note_measurement(ok=measured is not None)
-                self._policy.member_reachable(model_id)
-                if model_id in self._measure_failing:
-                    self._measure_failing.discard(model_id)
-                    log.info("slot measurement of %s works again", model_id)
-                return measured
-        if failure is None:
-            failure = f"timed out after {timeout}s"
-        self._policy.note_measurement(ok=False)
-        moved = self._policy.member_down(model_id)
-        if moved:
-            log.warning("%s is unreachable: %d queued jobs moved to its replicas", model_id, moved)
-        if model_id not in self._measure_failing:  # say it once, not on every pass
-            self._measure_failing.add(model_id)
-            log.warning("slot measurement of %s failed (%s): jobs wait", model_id, failure)
-        return None
-
-    # ------------------------------------------------------------------ reconciliation
-
-    def _reconcile_soon(self, model_id: str, now: float) -> None:
-        """Reconcile a spawned engine's table now, or after ``slot_poll`` if it was
-        reconciled just now (the pass asks again while capacity stays zero)."""
-        last = self._reconciled_at.get(model_id)
-        if last is not None and now - last < self.settings.slot_poll:
-            self._poll_later(last + self.settings.slot_poll)
-            return
-        if model_id not in self._measuring:
-            self._measuring.add(model_id)
-            self._reconciled_at[model_id] = now
-            assert self._nursery is not None
-            self._nursery.start_soon(self._reconcile, model_id)
-
-    async def _reconcile(self, model_id: str) -> None:
-        """One ``/slots`` sample applied to a spawned engine's table: slots busy with
-        work the host did not send are held out until they are idle again."""
-        try:
-            lane = self._lanes.get(model_id)
-            if lane is None or not lane.ready:
-                return
-            table = self._policy.table(model_id)
-            generation, tick = table.generation, table.tick
-            measured = await self._measure(model_id)
-            table = self._policy.table(model_id)
-            if measured is None or measured.ids is None or table.generation != generation:
-                return
-            idle = set(measured.ids)
-            busy = [entry.id for entry in table.slots if entry.id not in idle]
-            newly = table.reconcile(busy, sampled_at=tick)
-            self._policy.note_reconciliation(len(newly))
-            if newly:
-                log.warning(
-                    "slots %s of %s are busy with work the host did not send: held out, "
-                    "erased before use",
-                    newly,
-                    model_id,
-                )
-        finally:
-            self._measuring.discard(model_id)
-            self._wake()
-
-    async def _serve_reconciliation(
-        self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-    ) -> None:
-        """Reconcile every ready spawned engine every ``reconcile_interval`` seconds."""
-        task_status.started()
-        while True:
-            await trio.sleep(self.settings.reconcile_interval)
-            now = trio.current_time()
-            for model_id, lane in list(self._lanes.items()):
-                if lane.sole_client and lane.ready:
-                    self._reconcile_soon(model_id, now)
 
     # ------------------------------------------------------------------ loads, shutdown
 
@@ -1186,22 +506,6 @@ class Scheduler:
 _LOAD_ATTEMPTS = 3
 
 
-async def _unless_failed(lane: EngineLane, call: Callable[[], Awaitable[T]]) -> tuple[T] | None:
-    """``(await call(),)``, or None when ``lane``'s engine fails first (``call`` is then
-    cancelled). Exceptions of ``call`` pass through."""
-    result: tuple[T] | None = None
-    async with unwrapping(), trio.open_nursery() as nursery:
-
-        async def cancel_on_failure() -> None:
-            await lane.wait_failed()
-            nursery.cancel_scope.cancel()
-
-        nursery.start_soon(cancel_on_failure)
-        result = (await call(),)
-        nursery.cancel_scope.cancel()
-    return result
-
-
 def _copy_error(error: BaseException) -> BaseException:
     """A per-job copy of a shared error, so concurrent re-raises do not share a traceback."""
     try:
@@ -1227,9 +531,9 @@ async def open_scheduler(
     """
     scheduler = Scheduler(lanes=lanes, settings=settings)
     async with unwrapping(), trio.open_nursery() as nursery:
-        scheduler._nursery = nursery
+        scheduler._nursery = scheduler._reconciler.nursery = nursery
         await nursery.start(scheduler._serve_dispatcher)
-        await nursery.start(scheduler._serve_reconciliation)
+        await nursery.start(scheduler._reconciler.serve)
         try:
             yield scheduler
         finally:

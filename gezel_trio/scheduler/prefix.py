@@ -7,7 +7,7 @@ Each block's value is a hash *chained* over every block before it, so one value
 names a whole prefix: two requests share their first ``n`` blocks exactly when
 their ``n``-th values are equal. The slot table records the blocks of the last
 request that ran on each slot, and the scheduler sends a request to its owner's
-slot whose blocks are a prefix of it (see :func:`~.policy.choose_slot`).
+slot whose blocks are a prefix of it (see :func:`~.admission.choose_slot`).
 
 Placement only: blocks never decide isolation (that is the owner's business), so
 a hash collision can cost a re-prefill, never a leak. Pure functions, no I/O.

@@ -1,0 +1,104 @@
+"""What the scheduler needs from one model's engine: the lane protocols (an engine,
+one that can park KV), and a call abandoned when the engine fails."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from typing import Protocol, TypeVar, runtime_checkable
+
+import trio
+
+from gezel_trio._trio import unwrapping
+from gezel_trio.scheduler.jobs import LaneInfo, SlotMeasurement
+from gezel_trio.scheduler.prefix import Prefix
+
+__all__ = ["EngineLane", "ParkingLane", "unless_failed"]
+
+T = TypeVar("T")
+
+
+@runtime_checkable
+class ParkingLane(Protocol):
+    """A lane that can park a session's KV on disk and bring it back (slot save/restore)."""
+
+    @property
+    def parking_enabled(self) -> bool:
+        """False for a model whose restores proved not to take (it erases instead)."""
+        ...
+
+    def is_parked(self, session: str | None, prefix: Prefix | None = None) -> bool:
+        """Whether ``session`` has a parked copy to restore for a request of ``prefix``
+        blocks (None: any copy)."""
+        ...
+
+    def parked_blocks(self, session: str | None, prefix: Prefix | None = None) -> Prefix | None:
+        """The blocks of the copy a restore for ``prefix`` would bring back (None: none)."""
+        ...
+
+    def is_current(self, session: str, blocks: Prefix) -> bool:
+        """Whether a parked copy of ``session`` holds exactly ``blocks``."""
+        ...
+
+    def note_miss(self) -> None:
+        """A keyed job found its session neither in its slot nor parked."""
+        ...
+
+    async def park_slot(self, slot_id: int, session: str, blocks: Prefix = ()) -> int:
+        """Save the slot's KV for ``session`` as a copy of ``blocks``: the tokens saved
+        (0: the slot was empty)."""
+        ...
+
+    async def unpark_slot(self, slot_id: int, session: str, prefix: Prefix | None = None) -> int:
+        """Restore ``session``'s parked copy for ``prefix`` into the slot: the tokens
+        restored (0: none)."""
+        ...
+
+
+class EngineLane(LaneInfo, Protocol):
+    """What the scheduler needs from one model's engine."""
+
+    @property
+    def ready(self) -> bool:
+        """The engine is running and answering (requests can be sent now)."""
+        ...
+
+    async def ensure_resident(self) -> None:
+        """Start or switch the engine lazily; raises project errors (EngineFailed, NoCapacity)."""
+        ...
+
+    async def wait_failed(self) -> None:
+        """Return once the engine has failed (dead, or its health checks fail)."""
+        ...
+
+    async def measure_slots(self) -> SlotMeasurement | None:
+        """``GET /slots``; ``None`` when unknown."""
+        ...
+
+    async def erase_slot(self, slot_id: int) -> None:
+        """``POST /slots/{id}?action=erase``; returns once acknowledged, may raise."""
+        ...
+
+    def hold(self) -> AbstractContextManager[object]:
+        """Keep the engine from being stopped (idle TTL, pressure) while entered."""
+        ...
+
+    def lease(self) -> AbstractAsyncContextManager[object]:
+        """The GPU lease a running job holds (protects it from eviction)."""
+        ...
+
+
+async def unless_failed(lane: EngineLane, call: Callable[[], Awaitable[T]]) -> tuple[T] | None:
+    """``(await call(),)``, or None when ``lane``'s engine fails first (``call`` is then
+    cancelled). Exceptions of ``call`` pass through."""
+    result: tuple[T] | None = None
+    async with unwrapping(), trio.open_nursery() as nursery:
+
+        async def cancel_on_failure() -> None:
+            await lane.wait_failed()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(cancel_on_failure)
+        result = (await call(),)
+        nursery.cancel_scope.cancel()
+    return result

@@ -1,0 +1,280 @@
+"""Parking maintenance: the slot work that runs off the critical path.
+
+With ``save_idle_slots``, the slot an owner's job leaves is saved off the
+critical path once it has stayed idle for ``save_idle_delay``: the slot is
+marked *being saved* in the table (not pinned), a job placed on it waits for the
+save before anything is sent to it, and the copy is then current, so a handoff
+skips the save: a keyed handoff makes 2 upstream calls (restore or erase, then
+the request) instead of 3. ``statistics().parking`` counts ``handoffs`` and their
+``handoff_calls`` (the requests included) and ``saved_idle``.
+
+The slot a blind job leaves is erased off the critical path once it has stayed
+idle for ``idle_erase_delay`` (pinned until the engine acknowledges), or before an
+owner's job takes it, whichever comes first. A planned stop of an engine first
+parks every session's KV its slots hold (:meth:`SlotMaintenance.park_owned`), and
+a session's deletion erases the idle slots that hold its KV
+(:meth:`SlotMaintenance.erase_session`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import trio
+
+from gezel_trio.scheduler.lanes import EngineLane, ParkingLane
+from gezel_trio.scheduler.policy import SchedulerPolicy
+from gezel_trio.scheduler.settings import SchedulerSettings
+from gezel_trio.scheduler.slots import Content
+from gezel_trio.scheduler.trio_job import _TrioJob
+
+__all__ = ["SlotMaintenance"]
+
+log = logging.getLogger("gezel_trio.scheduler")
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class _Cleanup:
+    """The pin of a background erase (no job holds the slot meanwhile), or the mark of a
+    background save."""
+
+    model_id: str
+    slot: int
+
+
+class SlotMaintenance:
+    """Background saves and erases of idle slots, parking before a stop, erasing a
+    session's slots; owned by the :class:`~gezel_trio.scheduler.dispatcher.Scheduler`,
+    which reads ``lanes`` live and is woken through ``wake`` after each change."""
+
+    def __init__(
+        self,
+        *,
+        policy: SchedulerPolicy,
+        lanes: Mapping[str, EngineLane],
+        settings: SchedulerSettings,
+        wake: Callable[[], None],
+    ) -> None:
+        self._policy = policy
+        self._lanes = lanes
+        self.settings = settings
+        self._wake = wake
+        self._saves: dict[tuple[str, int], trio.Event] = {}  # background saves in flight
+
+    def __repr__(self) -> str:
+        return f"<SlotMaintenance saves={sorted(self._saves)}>"
+
+    def parking(self, lane: EngineLane | None) -> bool:
+        return self.settings.kv_parking and isinstance(lane, ParkingLane) and lane.parking_enabled
+
+    async def wait_for_save(self, model_id: str, slot: int) -> None:
+        """Return once no background save is in flight on ``slot`` (at most
+        ``park_timeout``: the save's own bound). Cancellation just stops the wait."""
+        while self._policy.table(model_id).saving(slot) is not None:
+            done = self._saves.get((model_id, slot))
+            if done is None:
+                return
+            with trio.move_on_after(self.settings.park_timeout) as scope:
+                await done.wait()
+            if scope.cancelled_caught:
+                return
+
+    async def park_owned(self, model_id: str) -> int:
+        """Save every slot of ``model_id`` that holds a session's KV not parked yet:
+        what a planned stop of its engine runs before the SIGTERM. Returns how many
+        were saved.
+
+        Background saves in flight end first (each within ``park_timeout``). Each slot
+        is pinned while it is saved (no job can take it meanwhile) and each save has
+        ``park_timeout``; a failed or cut save loses only that session's KV (it
+        re-prefills). Works while the scheduler shuts down too (no tasks needed).
+        Cancellation stops between or inside saves; what was saved stays parked.
+        """
+        lane = self._lanes.get(model_id)
+        if not self.parking(lane):
+            return 0
+        assert isinstance(lane, ParkingLane)
+        for key in [key for key in self._saves if key[0] == model_id]:
+            await self.wait_for_save(*key)  # a background save ends first
+        table = self._policy.table(model_id)
+        generation = table.generation
+        saved = 0
+        for entry in list(table.slots):
+            session = entry.session
+            if (
+                entry.content is not Content.OWNED
+                or session is None
+                or entry.pin is not None
+                or entry.held_out
+                or entry.saving is not None
+                or (entry.parked_current and lane.is_current(session, entry.blocks))
+            ):
+                continue
+            cleanup = _Cleanup(model_id, entry.id)
+            table.pin(entry.id, cleanup)
+            try:
+                with trio.move_on_after(self.settings.park_timeout):
+                    try:
+                        tokens = await lane.park_slot(entry.id, session, entry.blocks)
+                    except Exception as exc:
+                        log.warning("parking %s slot %d failed: %r", model_id, entry.id, exc)
+                        self._policy.parks_failed += 1
+                        continue
+                    table = self._policy.table(model_id)
+                    if table.generation == generation and table.pinned_to(entry.id) is cleanup:
+                        if tokens:
+                            table.parked(entry.id, cleanup, session)
+                        else:
+                            table.erased(entry.id, cleanup)
+                    if tokens:
+                        self._policy.parks_saved += 1
+                        saved += 1
+            finally:
+                self._policy.table(model_id).unpin(entry.id, cleanup)
+                self._wake()
+        return saved
+
+    def sessions_in_slots(self) -> list[tuple[str, int, str]]:
+        """(model id, slot, session) for every slot whose table says it holds a
+        session's KV."""
+        out: list[tuple[str, int, str]] = []
+        for model_id in list(self._lanes):
+            for entry in self._policy.table(model_id).slots:
+                if entry.content is Content.OWNED and entry.session is not None:
+                    out.append((model_id, entry.id, entry.session))
+        return out
+
+    async def erase_session(self, session: str) -> tuple[int, int]:
+        """Erase every idle slot that holds ``session``'s KV: (erased, busy), where busy
+        counts slots a running job of the session holds (not touched). A failed erase
+        leaves the slot unknown (erased before its next use), so it is counted erased:
+        the session's KV is never served from it again. A background save of such a
+        slot ends first, so that the caller's deletion of the parked copies that
+        follows covers it. Cancellation leaves the slot being erased unknown."""
+        erased = busy = 0
+        for model_id, slot, owner in self.sessions_in_slots():
+            if owner != session:
+                continue
+            lane = self._lanes.get(model_id)
+            await self.wait_for_save(model_id, slot)  # its copy is then dropped with the rest
+            table = self._policy.table(model_id)
+            if lane is None or slot >= len(table) or table.owner(slot) != session:
+                continue
+            if (
+                table.pinned_to(slot) is not None
+                or table.slots[slot].held_out
+                or table.saving(slot) is not None
+            ):
+                busy += 1
+                continue
+            cleanup = _Cleanup(model_id, slot)
+            table.pin(slot, cleanup)
+            try:
+                table.sending(slot, cleanup)
+                if lane.ready:
+                    with trio.move_on_after(self.settings.erase_timeout):
+                        try:
+                            await lane.erase_slot(slot)
+                        except Exception as exc:
+                            log.warning("erase of %s slot %d failed: %r", model_id, slot, exc)
+                        else:
+                            table = self._policy.table(model_id)
+                            if table.pinned_to(slot) is cleanup:
+                                table.erased(slot, cleanup)
+                erased += 1
+            finally:
+                self._policy.table(model_id).unpin(slot, cleanup)
+                self._wake()
+        return erased, busy
+
+    async def erase_when_idle(self, job: _TrioJob, lane: EngineLane, released: int) -> None:
+        """Erase the slot a keyless job left, once nobody has used it for
+        ``idle_erase_delay``. The slot is pinned (to this cleanup) until the engine
+        acknowledges; a failure leaves it unknown (erased before its next keyed use)."""
+        await trio.sleep(self.settings.idle_erase_delay)
+        slot = job.slot_id
+        assert slot is not None
+        table = self._policy.table_of(job)
+        if slot >= len(table) or not lane.ready:
+            return
+        entry = table.slots[slot]
+        if (
+            entry.pin is not None
+            or entry.held_out
+            or entry.content is not Content.KEYLESS
+            or entry.released != released
+        ):
+            return  # used again since (or made fresh by a restart)
+        cleanup = _Cleanup(job.model_id, slot)
+        table.pin(slot, cleanup)
+        try:
+            with lane.hold(), trio.move_on_after(self.settings.erase_timeout):
+                table.sending(slot, cleanup)
+                try:
+                    await lane.erase_slot(slot)
+                except Exception as exc:
+                    log.warning("erase of %s slot %d failed: %r", job.model_id, slot, exc)
+                    self._policy.note_erase(ok=False)
+                    return
+                table = self._policy.table_of(job)
+                if table.pinned_to(slot) is cleanup:
+                    table.erased(slot, cleanup)
+                self._policy.note_erase(ok=True)
+                self._policy.erases_after_keyless += 1
+        finally:
+            self._policy.table_of(job).unpin(slot, cleanup)
+            self._wake()
+
+    async def save_when_idle(
+        self, model_id: str, lane: EngineLane, slot: int, released: int
+    ) -> None:
+        """Save the KV an owner's job left in ``slot`` once nobody has used the slot for
+        ``save_idle_delay``, unless its parked copy is current already or no handoff
+        is likely (:meth:`SlotTable.handoff_likely`, or another owner waiting). The slot is
+        marked as being saved (not pinned): a job placed on it meanwhile waits for the
+        save (:meth:`SlotPreparer.prepare <.preparation.SlotPreparer.prepare>`), and
+        finds the copy current. A failed save is logged and counted (a handoff saves it
+        then). Cancellation (shutdown) cuts the save: the slot keeps its content, its
+        copy not current; the engine's file, if it wrote one, is deleted
+        (:meth:`ModelRuntime.park_slot
+        <gezel_trio.host.runtime.ModelRuntime.park_slot>`)."""
+        await trio.sleep(self.settings.save_idle_delay)
+        table = self._policy.table(model_id)
+        if (
+            not self.parking(lane)
+            or not lane.ready
+            or slot >= len(table)
+            or table.slots[slot].released != released
+        ):
+            return  # used again since (or made fresh by a restart)
+        assert isinstance(lane, ParkingLane)
+        entry = table.slots[slot]
+        if entry.parked_current and lane.is_current(entry.session or "", entry.blocks):
+            return
+        if not (table.handoff_likely(slot) or self._policy.others_waiting(model_id, entry.session)):
+            return  # a lone owner with clean slots to spare: its handoff may never come
+        mark = _Cleanup(model_id, slot)
+        session = table.begin_save(slot, mark)
+        if session is None:
+            return
+        blocks = entry.blocks
+        self._saves[(model_id, slot)] = done = trio.Event()
+        tokens: int | None = None
+        try:
+            with lane.hold(), trio.move_on_after(self.settings.park_timeout):
+                try:
+                    tokens = await lane.park_slot(slot, session, blocks)
+                except Exception as exc:
+                    log.warning("saving idle %s slot %d failed: %r", model_id, slot, exc)
+        finally:
+            self._policy.table(model_id).end_save(slot, mark, session, tokens=tokens)
+            if tokens is None:
+                self._policy.parks_failed += 1
+            elif tokens:
+                self._policy.parks_idle += 1
+            if self._saves.get((model_id, slot)) is done:
+                del self._saves[(model_id, slot)]
+            done.set()
+            self._wake()
