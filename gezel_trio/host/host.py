@@ -219,7 +219,7 @@ class Host:
                 load += stats.running.get(rt.id, 0) + stats.waiting.get(rt.id, 0)
             holds = session is not None and self._holds(rt, session)
             healthy = rt.engine.state.value is not EngineState.FAILED
-            if self.scheduler is not None and self.scheduler.policy.is_down(rt.id):
+            if self.scheduler is not None and self.scheduler.is_down(rt.id):
                 healthy = False  # its load failed or it cannot be reached: until revived
             views.append(MemberView(rt.id, healthy, load, holds))
         return views
@@ -254,7 +254,7 @@ class Host:
         if self.scheduler is None or place.slot is None:
             return None
         try:
-            table = self.scheduler.policy.table(place.member)
+            table = self.scheduler.table(place.member)
         except KeyError:
             return None
         if place.slot >= len(table):
@@ -276,7 +276,7 @@ class Host:
 
     def _holds(self, runtime: ModelRuntime, session: str) -> bool:
         """``runtime`` holds ``session``'s KV, in a slot or parked."""
-        if self.scheduler is not None and self.scheduler.policy.table(runtime.id).holds(session):
+        if self.scheduler is not None and self.scheduler.holds(runtime.id, session):
             return True
         return self.kv is not None and self.kv.entry(runtime.id, session) is not None
 

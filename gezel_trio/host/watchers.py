@@ -106,6 +106,6 @@ async def serve_replica_revival(
                 if rt.config.replica_of is None or rt.id in probing:
                     continue
                 failed = rt.engine.state.value is EngineState.FAILED
-                if failed or scheduler.policy.is_down(rt.id):
+                if failed or scheduler.is_down(rt.id):
                     probing.add(rt.id)
                     nursery.start_soon(probe, rt)

@@ -59,6 +59,7 @@ from gezel_trio.scheduler.preparation import SlotPreparer
 from gezel_trio.scheduler.queues import Job
 from gezel_trio.scheduler.reconcile import Reconciler
 from gezel_trio.scheduler.settings import SchedulerSettings
+from gezel_trio.scheduler.slots import SlotTable
 from gezel_trio.scheduler.stats import SchedulerStats
 from gezel_trio.scheduler.trio_job import _TrioJob
 
@@ -191,8 +192,24 @@ class Scheduler:
 
     @property
     def policy(self) -> SchedulerPolicy:
-        """The policy object (read-only use: tests, diagnostics)."""
+        """The policy object (read-only use: tests, diagnostics). The host asks
+        :meth:`is_down`, :meth:`holds` and :meth:`table` instead."""
         return self._policy
+
+    def is_down(self, model_id: str) -> bool:
+        """Whether ``model_id`` is down: its last load failed or its ``/slots`` could
+        not be sampled (until it answers again)."""
+        return self._policy.is_down(model_id)
+
+    def holds(self, model_id: str, session: str) -> bool:
+        """Whether a slot of ``model_id`` holds ``session``'s KV. Raises KeyError for a
+        model the scheduler does not serve."""
+        return self._policy.table(model_id).holds(session)
+
+    def table(self, model_id: str) -> SlotTable:
+        """``model_id``'s slot table, synced to its engine generation (read-only use).
+        Raises KeyError for a model the scheduler does not serve."""
+        return self._policy.table(model_id)
 
     def slot(
         self,

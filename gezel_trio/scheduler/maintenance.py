@@ -120,7 +120,7 @@ class SlotMaintenance:
                         tokens = await lane.park_slot(entry.id, session, entry.blocks)
                     except Exception as exc:
                         log.warning("parking %s slot %d failed: %r", model_id, entry.id, exc)
-                        self._policy.parks_failed += 1
+                        self._policy.note_park(ok=False)
                         continue
                     table = self._policy.table(model_id)
                     if table.generation == generation and table.pinned_to(entry.id) is cleanup:
@@ -129,7 +129,7 @@ class SlotMaintenance:
                         else:
                             table.erased(entry.id, cleanup)
                     if tokens:
-                        self._policy.parks_saved += 1
+                        self._policy.note_park(ok=True)
                         saved += 1
             finally:
                 self._policy.table(model_id).unpin(entry.id, cleanup)
@@ -221,8 +221,7 @@ class SlotMaintenance:
                 table = self._policy.table_of(job)
                 if table.pinned_to(slot) is cleanup:
                     table.erased(slot, cleanup)
-                self._policy.note_erase(ok=True)
-                self._policy.erases_after_keyless += 1
+                self._policy.note_erase(ok=True, after_keyless=True)
         finally:
             self._policy.table_of(job).unpin(slot, cleanup)
             self._wake()
@@ -271,9 +270,9 @@ class SlotMaintenance:
         finally:
             self._policy.table(model_id).end_save(slot, mark, session, tokens=tokens)
             if tokens is None:
-                self._policy.parks_failed += 1
+                self._policy.note_park(ok=False, idle=True)
             elif tokens:
-                self._policy.parks_idle += 1
+                self._policy.note_park(ok=True, idle=True)
             if self._saves.get((model_id, slot)) is done:
                 del self._saves[(model_id, slot)]
             done.set()

@@ -791,11 +791,42 @@ class SchedulerPolicy:
 
     # ------------------------------------------------------------------ counters, stats
 
-    def note_erase(self, *, ok: bool) -> None:
+    def note_erase(self, *, ok: bool, after_keyless: bool = False) -> None:
+        """An erase ended: acknowledged (``ok``) or not; ``after_keyless``: one off the
+        critical path, of the slot a keyless job left."""
         if ok:
             self.erases_ok += 1
+            if after_keyless:
+                self.erases_after_keyless += 1
         else:
             self.erases_failed += 1
+
+    def note_park(self, *, ok: bool, idle: bool = False) -> None:
+        """A save of a slot's KV ended: tokens saved (``ok``) or failed; ``idle``: a
+        background save of an idle slot. A save of an empty slot is not counted."""
+        if not ok:
+            self.parks_failed += 1
+        elif idle:
+            self.parks_idle += 1
+        else:
+            self.parks_saved += 1
+
+    def note_park_skipped(self) -> None:
+        """A handoff found the outgoing owner's parked copy current: no save."""
+        self.parks_skipped += 1
+
+    def note_restore(self, *, ok: bool) -> None:
+        """A restore of a parked copy into a slot took (``ok``) or did not."""
+        if ok:
+            self.parks_restored += 1
+        else:
+            self.parks_failed += 1
+
+    def note_handoff(self, *, calls: int) -> None:
+        """An owner's job was placed on another owner's slot, with ``calls`` upstream
+        calls (park, restore, erase, and the request itself)."""
+        self.handoffs += 1
+        self.handoff_calls += calls
 
     def note_measurement(self, *, ok: bool) -> None:
         self.slot_measurements += 1

@@ -166,7 +166,7 @@ class SlotPreparer:
             )
             owner = table.owner(slot)
             if parking and owner is not None and owner != job.session and prep.park is None:
-                self._policy.parks_skipped += 1  # its parked copy is still current
+                self._policy.note_park_skipped()  # its parked copy is still current
             if (
                 parking
                 and calls == 0
@@ -201,8 +201,7 @@ class SlotPreparer:
         if restored and prefix and blocks and not is_prefix(blocks, prefix):
             restored = 0  # another branch of the conversation: only a part is reused
         if handoff:
-            self._policy.handoffs += 1
-            self._policy.handoff_calls += calls + 1  # and the request itself
+            self._policy.note_handoff(calls=calls + 1)  # and the request itself
         table.sending(slot, job)
         return calls, erased, restored
 
@@ -222,11 +221,11 @@ class SlotPreparer:
                 table = self._policy.table_of(job)
                 if saved:
                     table.parked(slot, job, session)
-                    self._policy.parks_saved += 1
+                    self._policy.note_park(ok=True)
                 else:  # the engine says the slot holds no token: it is empty
                     table.erased(slot, job)
                 return True
-        self._policy.parks_failed += 1
+        self._policy.note_park(ok=False)
         return False
 
     async def _restore(self, job: _TrioJob, lane: ParkingLane, session: str) -> int:
@@ -244,11 +243,11 @@ class SlotPreparer:
             except Exception as exc:
                 log.warning("restoring %s slot %d failed: %r", job.model_id, slot, exc)
         if not restored:
-            self._policy.parks_failed += 1
+            self._policy.note_restore(ok=False)
             return 0
         self.check_pin(job)
         self._policy.table_of(job).restored(slot, job, session, keyless=job.keyless, blocks=blocks)
-        self._policy.parks_restored += 1
+        self._policy.note_restore(ok=True)
         return restored
 
     async def _erase(self, job: _TrioJob, lane: EngineLane) -> None:
