@@ -16,7 +16,6 @@ Errors are shaped for the dialect of the path (see :mod:`.errors`).
 
 from __future__ import annotations
 
-import collections
 import hmac
 import json
 from collections.abc import Mapping
@@ -30,13 +29,13 @@ from ..host import Host
 from ..host.completion import Owner
 from .errors import OLLAMA_PATHS, error_response
 from .exchange import Exchange, current_exchange, open_exchange
+from .session_names import SessionNames
 
 __all__ = [
     "ADMIN_ATTR",
     "CALLER_ATTR",
     "SESSION_HEADERS",
     "Owner",
-    "SessionNames",
     "authenticate",
     "conversation_opening",
     "install_auth",
@@ -73,31 +72,6 @@ SESSION_HEADERS = (
 """Headers that name a conversation, in the order they are read."""
 
 MAX_SESSION_NAME = 512
-
-
-class SessionNames:
-    """The names clients sent for their sessions, by session id, so that a caller can
-    see its own chats by the name it gave them. In memory only and bounded (the least
-    recently used are forgotten): a name is the caller's own data, shown back to that
-    caller alone, never logged and never written to disk."""
-
-    __slots__ = ("_names", "limit")
-
-    def __init__(self, limit: int = 4096) -> None:
-        self.limit = limit
-        self._names: collections.OrderedDict[str, str] = collections.OrderedDict()
-
-    def __repr__(self) -> str:
-        return f"<SessionNames {len(self._names)} of at most {self.limit}>"
-
-    def note(self, session: str, name: str) -> None:
-        self._names[session] = name
-        self._names.move_to_end(session)
-        while len(self._names) > self.limit:
-            self._names.popitem(last=False)
-
-    def name_of(self, session: str) -> str | None:
-        return self._names.get(session)
 
 
 NAMES_ATTR = "GEZEL_SESSION_NAMES"

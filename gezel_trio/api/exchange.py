@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from werkzeug.datastructures import Headers
 
     from ..host import Host
-    from .auth import SessionNames
+    from .session_names import SessionNames
 
 __all__ = [
     "UNRESOLVED",
