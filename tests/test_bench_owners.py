@@ -28,7 +28,8 @@ from gezel_trio.bench.metrics import (
 from gezel_trio.bench.replay import ReplayConfig, run_replay, session_keys
 from gezel_trio.bench.report import figures_rows, figures_table
 from gezel_trio.bench.targets import EngineCommand, LaunchSettings, gezel_config_toml
-from gezel_trio.bench.traces import Session, Trace, Turn, load_trace, open_trace_spec, save_trace
+from gezel_trio.bench.trace_specs import open_trace_spec
+from gezel_trio.bench.traces import Session, Trace, Turn, load_trace, save_trace
 
 from .test_bench_replay import FakeEngine, fake_client
 

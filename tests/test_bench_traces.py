@@ -20,6 +20,7 @@ from gezel_trio.bench.synth import (
     request_body,
     request_headers,
 )
+from gezel_trio.bench.trace_specs import open_trace_spec
 from gezel_trio.bench.traces import (
     Scaling,
     Session,
@@ -30,7 +31,6 @@ from gezel_trio.bench.traces import (
     import_mooncake,
     import_weka,
     load_trace,
-    open_trace_spec,
     oracle_tokens,
     save_trace,
     scale_trace,

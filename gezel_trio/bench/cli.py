@@ -36,7 +36,8 @@ from .targets import (
     open_target,
     resolve_llama_server,
 )
-from .traces import Scaling, Trace, open_trace_spec, save_trace, scale_trace
+from .trace_specs import open_trace_spec
+from .traces import Scaling, Trace, save_trace, scale_trace
 
 __all__ = ["add_bench_arguments", "bench", "main", "run_bench"]
 

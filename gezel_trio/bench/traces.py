@@ -44,7 +44,6 @@ __all__ = [
     "import_mooncake",
     "import_weka",
     "load_trace",
-    "open_trace_spec",
     "oracle_tokens",
     "save_trace",
     "scale_trace",
@@ -836,29 +835,3 @@ def _ancestors(session_id: str, by_id: Mapping[str, Session]) -> Iterator[str]:
     while p is not None:
         yield p
         p = by_id[p].parent
-
-
-# ---------------------------------------------------------------------- trace specs
-
-
-def open_trace_spec(spec: str, *, scaling: Scaling | None = None) -> Trace:
-    """Load ``weka:PATH``, ``mooncake:PATH``, ``native:PATH`` or a plain native ``PATH``,
-    or build ``claude-code[:OPTIONS]`` (:mod:`gezel_trio.bench.agentic`), then apply
-    ``scaling`` (when given)."""
-    kind, sep, rest = spec.partition(":")
-    if kind == "claude-code":
-        from .agentic import parse_claude_code_spec
-
-        trace = parse_claude_code_spec(rest)
-        return trace if scaling is None else scale_trace(trace, scaling)
-    if sep and kind in ("weka", "mooncake", "native"):
-        path = Path(rest).expanduser()
-    else:
-        kind, path = "native", Path(spec).expanduser()
-    if kind == "weka":
-        trace = import_weka(path)
-    elif kind == "mooncake":
-        trace = import_mooncake(path)
-    else:
-        trace = load_trace(path)
-    return trace if scaling is None else scale_trace(trace, scaling)
