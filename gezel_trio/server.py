@@ -22,7 +22,6 @@ from .errors import GezelError
 from .front_guard import FrontGuard, serve_front
 from .gpu.probe import Probe
 from .host import Host, open_host
-from .host.catalog import reload
 
 log = logging.getLogger("gezel_trio.server")
 
@@ -268,7 +267,7 @@ async def serve_until_signalled(config: Config) -> None:
     """Serve until SIGINT or SIGTERM, then shut down gracefully (see :func:`open_served`;
     within ``[server] shutdown_timeout`` unless parking or an engine's stop takes longer,
     which is logged); SIGHUP reloads the config file (see
-    :func:`gezel_trio.host.catalog.reload`).
+    :meth:`Host.reload <gezel_trio.host.host.Host.reload>`).
 
     The signal handlers stay installed for the whole shutdown: a second
     Ctrl-C while engines are stopping is logged and absorbed instead of
@@ -327,7 +326,7 @@ def _log_shutdown(took: float, budget: float) -> None:
 async def _reload_logged(host: Host) -> None:
     """A SIGHUP's reload: its outcome, or why the file was refused, goes to the log."""
     try:
-        result = await reload(host)
+        result = await host.reload()
     except GezelError as exc:
         log.error("reload refused, the running config stays: %s", exc.message)
     else:

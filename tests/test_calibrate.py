@@ -27,6 +27,7 @@ from gezel_trio.engine.calibrate import (
     probe_prompts,
     probe_request,
 )
+from gezel_trio.engine.client import EngineClient
 from gezel_trio.engine.demo_model import write_demo_model
 from gezel_trio.engine.supervisor import Engine, EngineState, SupervisorTiming, open_engine
 from gezel_trio.errors import QueueFull, SchedulerClosed
@@ -38,7 +39,7 @@ from gezel_trio.host.calibration import (
     calibrate,
     serve_calibration,
 )
-from gezel_trio.host.runtime import ModelRuntime
+from gezel_trio.host.runtime import ModelRuntime, ModelSetup
 
 from ._engine_bin import ENGINE_LIMITS, open_llama_server
 from .fakes import FakeBehaviour, FakeLauncher
@@ -453,11 +454,17 @@ async def test_engine_killed_mid_probe_is_reported_as_crash(
 # ---------------------------------------------------------------- remembered = live
 
 
+def _never_proxied(request: httpx.Request) -> httpx.Response:
+    raise AssertionError(f"calibration never proxies: {request.method} {request.url}")
+
+
 def _runtime(engine: Engine, *, path: Path | None = None, **config: Any) -> ModelRuntime:
     rt = ModelRuntime(
-        config=ModelConfig(id="m", path=None if path is None else str(path), **config),
+        setup=ModelSetup(ModelConfig(id="m", path=None if path is None else str(path), **config)),
         engine=engine,
-        client=None,  # type: ignore[arg-type]  # calibration never proxies
+        client=EngineClient(
+            httpx.MockTransport(_never_proxied), engine, read_timeout=None, model_id="m"
+        ),
     )
     return rt
 

@@ -37,7 +37,7 @@ from gezel_trio.gpu.arbiter import GpuArbiter
 from gezel_trio.gpu.ledger import DeviceLedger, open_ledger
 from gezel_trio.host import Host
 from gezel_trio.host.metrics import Metrics
-from gezel_trio.host.runtime import ModelRuntime
+from gezel_trio.host.runtime import ModelRuntime, ModelSetup
 from gezel_trio.scheduler import Grant, Scheduler, SchedulerSettings, open_scheduler
 
 from .fakes import FakeBehaviour, FakeLauncher, fake_argv
@@ -190,7 +190,7 @@ async def open_rig(tmp: Path, *, capacity: int = 16 * RESERVE_BYTES) -> AsyncIte
             config = ModelConfig(id=model_id, path=f"/fake/{model_id}.gguf", parallel=2)
             client = EngineClient(launcher.transport, engine, read_timeout=None, model_id=model_id)
             runtimes[model_id] = ModelRuntime(
-                config=config, engine=engine, client=client, arbiter=arbiter
+                setup=ModelSetup(config), engine=engine, client=client, arbiter=arbiter
             )
             arbiter.register_evictor(model_id, engine.stop, owner_id=model_id)
         scheduler = await stack.enter_async_context(

@@ -17,7 +17,7 @@ from gezel_trio.gpu.ledger import open_ledger
 from gezel_trio.gpu.placement import Placement, device_flags, place, shares
 from gezel_trio.gpu.probe import DeviceHealth, GpuReading, StaticProbe
 from gezel_trio.host.placement import reservation_for
-from gezel_trio.host.runtime import ModelRuntime
+from gezel_trio.host.runtime import ModelSetup
 
 GIB = 1024**3
 LAYERS = 33
@@ -128,7 +128,7 @@ async def test_an_engine_is_reserved_on_the_gpu_with_room_or_split_over_both(
         gpu=True,
     )
     need = whole.total_bytes
-    runtime = ModelRuntime(config=model, engine=None, client=None)  # type: ignore[arg-type]
+    runtime = ModelSetup(config=model)  # what the reservation plans (a runtime's setup)
     runtime.gguf = info
     for caps, expect in (
         ({"gpu:0": need // 2, "gpu:1": need * 2}, ("gpu:1",)),

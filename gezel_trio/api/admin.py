@@ -12,7 +12,6 @@ from quart import Blueprint, Response, current_app, request
 from ..config import Config, GpuPolicySetting, LogLevel, _coerce, validate
 from ..errors import ConfigError, FieldError
 from ..host import Host, ModelRuntime
-from ..host.catalog import reload
 from .errors import json_response
 from .validation import read_json_object
 
@@ -107,7 +106,7 @@ async def reload_config() -> Response:
     """Re-read the config file and apply its models (as SIGHUP does): 200 with what was
     added, removed, changed; 400 naming the key when the file is invalid (nothing
     changes)."""
-    return json_response(await reload(_host()))
+    return json_response(await _host().reload())
 
 
 @bp.post("/api/models/<model_id>/calibrate")

@@ -42,23 +42,22 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import httpx
 import trio
 
+from ..config import ModelConfig
 from ..engine.arch import ArchVerdict, keeps_recurrent_state
 from ..engine.calibrate import CalibrationResult, decide_ceiling, probe_cobatch
-from ..engine.supervisor import EngineState
+from ..engine.supervisor import Engine, EngineState
 from ..errors import GezelError, SchedulerClosed
 from ..scheduler import Scheduler
-
-if TYPE_CHECKING:
-    from .runtime import ModelRuntime
 
 log = logging.getLogger("gezel_trio.host.calibration")
 
 __all__ = [
+    "CalibratedModel",
     "CalibrationBook",
     "CalibrationState",
     "Calibrator",
@@ -184,6 +183,31 @@ class CobatchProbe(Protocol):
     ) -> Awaitable[CalibrationResult]: ...
 
 
+class CalibratedModel(Protocol):
+    """What calibration reads and sets of one model (a
+    :class:`~gezel_trio.host.runtime.ModelRuntime`): its settings and engine, read;
+    its :class:`CalibrationState` and admission ceiling, written."""
+
+    calibration: CalibrationState
+    ceiling: int | None
+    """The admission ceiling calibration sets (None: the engine's slots)."""
+    ceiling_reason: str | None
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+    @property
+    def engine(self) -> Engine: ...
+
+    @property
+    def parallel(self) -> int:
+        """The admission ceiling in effect (for the log)."""
+        ...
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """How long :func:`serve_calibration` waits after its n-th consecutive error:
@@ -212,7 +236,7 @@ class Calibrator:
 
 
 def apply_verdict(
-    runtime: ModelRuntime, result: CalibrationResult | None, *, remembered: bool = False
+    runtime: CalibratedModel, result: CalibrationResult | None, *, remembered: bool = False
 ) -> None:
     """Set the lane's admission ceiling from a verdict, live or remembered, or from the
     absence of one. :func:`decide_ceiling` is the only rule."""
@@ -250,7 +274,7 @@ def apply_verdict(
         )
 
 
-def detect_architecture(runtime: ModelRuntime) -> None:
+def detect_architecture(runtime: CalibratedModel) -> None:
     """Read the model's architecture once (a blocking GGUF read, done in a thread by callers)."""
     if runtime.config.path is None:
         return
@@ -260,7 +284,7 @@ def detect_architecture(runtime: ModelRuntime) -> None:
         runtime.calibration.last_error = f"architecture unknown: {exc}"
 
 
-def _record(ctx: Calibrator, runtime: ModelRuntime, result: CalibrationResult) -> None:
+def _record(ctx: Calibrator, runtime: CalibratedModel, result: CalibrationResult) -> None:
     """Store, apply, remember and log a live verdict (synchronous: nothing can run between)."""
     state = runtime.calibration
     state.runs += 1
@@ -297,7 +321,7 @@ def _record(ctx: Calibrator, runtime: ModelRuntime, result: CalibrationResult) -
     )
 
 
-async def _restart(runtime: ModelRuntime, why: str) -> None:
+async def _restart(runtime: CalibratedModel, why: str) -> None:
     """Stop the engine process the probe ran on and start a fresh one.
 
     Called inside the exclusive block, so nothing is served in between. A failed
@@ -348,7 +372,7 @@ async def _restart(runtime: ModelRuntime, why: str) -> None:
     )
 
 
-async def calibrate(ctx: Calibrator, runtime: ModelRuntime) -> CalibrationResult:
+async def calibrate(ctx: Calibrator, runtime: CalibratedModel) -> CalibrationResult:
     """Run the co-batch probe as an exclusive operation and apply its verdict.
 
     Waits for the engine's turn (the scheduler drains it first). Inside the
@@ -404,7 +428,7 @@ async def calibrate(ctx: Calibrator, runtime: ModelRuntime) -> CalibrationResult
 
 
 def _remembered(
-    ctx: Calibrator, runtime: ModelRuntime, fingerprint: str
+    ctx: Calibrator, runtime: CalibratedModel, fingerprint: str
 ) -> CalibrationResult | None:
     if runtime.config.path is None:
         return None
@@ -424,7 +448,7 @@ def _remembered(
 
 async def serve_calibration(
     ctx: Calibrator,
-    runtime: ModelRuntime,
+    runtime: CalibratedModel,
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:

@@ -65,7 +65,7 @@ from ..scheduler.prefix import shared_blocks
 from ..sessions import SessionKeys
 from .activity import Activity
 from .calibration import CalibrationBook, Calibrator, calibrate, serve_calibration
-from .catalog import open_model, serve_models_dir, wanted_models
+from .catalog import Catalog, wanted_models
 from .completion import CompletionService
 from .metrics import Metrics
 from .placement import EngineResolver
@@ -78,7 +78,11 @@ __all__ = ["Host", "open_host"]
 
 
 class Host:
-    """The running host: models, the GPU arbiter, the scheduler, and how a request runs."""
+    """The running host: models, the GPU arbiter, the scheduler, and how a request runs.
+
+    Its models are opened, retired and changed by its :attr:`catalog`, which it builds
+    here from its own parts (``engines``: the nursery each model's engine lives in).
+    """
 
     def __init__(
         self,
@@ -91,6 +95,8 @@ class Host:
         ledger: DeviceLedger,
         sessions: SessionKeys,
         transport: httpx.AsyncBaseTransport,
+        engines: trio.Nursery,
+        kv: KvStore | None = None,
     ) -> None:
         self.config = config
         self.http = http
@@ -112,20 +118,42 @@ class Host:
         """The host's own tasks: streaming relays waiting on their jobs, device-health and
         memory-pressure watchers, calibration watchers. Closed before the scheduler."""
         self.last_device_health: dict[str, Any] | None = None
-        self.kv: KvStore | None = None
+        self.kv = kv
         """The parked-KV store (None with ``kv_parking`` off)."""
         self.transport = transport
         """The connection pool every engine call goes through."""
-        self.engines: trio.Nursery = _unset_nursery()
-        """Where each model's engine lives (see :mod:`.catalog`); closed last."""
-        self.serving = False
-        """True while ``open_host``'s block runs (its tasks nursery is open)."""
         self.routers: dict[str, ReplicaRouter] = {}
         """Per replicated model, which member each request goes to."""
         self.activity = Activity()
         """Recent requests and per-second queue and TTFT series (the dashboard's)."""
         self.completions = CompletionService(self)
         """How every completion runs on a slot (:mod:`.completion`)."""
+        self.catalog = Catalog(
+            config=config,
+            models=self.models,
+            engines=engines,
+            http=http,
+            transport=transport,
+            resolver=resolver,
+            arbiter=arbiter,
+            ledger=ledger,
+            metrics=self.metrics,
+            kv=kv,
+            device=self.compute_device,
+            fingerprint=self.build_fingerprint,
+        )
+        """The models while the host serves: opened, retired, changed (:mod:`.catalog`);
+        their engines live in ``engines``, closed last."""
+
+    @property
+    def serving(self) -> bool:
+        """True while ``open_host``'s block runs (its tasks nursery is open)."""
+        return self.catalog.serving
+
+    async def reload(self) -> dict[str, Any]:
+        """Re-read the config file and apply its models (:meth:`Catalog.reload`: raises
+        ConfigError and changes nothing when the file is invalid; cancellation as there)."""
+        return await self.catalog.reload()
 
     def __repr__(self) -> str:
         return f"<Host {len(self.models)} models policy={self.arbiter.policy}>"
@@ -540,30 +568,6 @@ class Host:
                 park_grace=min(timing.park_grace, park),
             )
 
-    async def park_before_stop(self, runtime: ModelRuntime) -> None:
-        """Save every session's KV that ``runtime``'s engine holds and that is not parked
-        yet: run by the supervisor before a planned stop (eviction, idle release,
-        pressure release, unload, shutdown) sends SIGTERM, within its deadline. The
-        time it adds to the stop shows in status and ``/metrics``."""
-        if self.scheduler is None or self.kv is None:
-            return
-        t0 = time.perf_counter()
-        try:
-            saved = await self.scheduler.park_owned(runtime.id)
-        finally:
-            elapsed = time.perf_counter() - t0
-            stats = runtime.kv_stats
-            stats.stop_parks += 1
-            stats.stop_park_ms += elapsed * 1000
-            self.metrics.kv_stop_park(runtime.id, elapsed)
-        if saved:
-            log.info(
-                "saved %d sessions of %s before stopping its engine (%.0f ms)",
-                saved,
-                runtime.id,
-                elapsed * 1000,
-            )
-
     def note_pressure_release(self, runtime: ModelRuntime) -> None:
         self.pressure_releases += 1
 
@@ -610,6 +614,10 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
         open_ledger(state_dir / "ledger.sqlite", capacities=default_capacities(health)) as ledger,
         trio.open_nursery() as engines,
     ):
+        await resolver.load_facts()
+        kv = None
+        if config.scheduler.kv_parking:
+            kv = await trio.to_thread.run_sync(open_kv_store, config)
         host = Host(
             config=config,
             http=http,
@@ -619,15 +627,14 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
             ledger=ledger,
             sessions=sessions,
             transport=transport,
+            engines=engines,
+            kv=kv,
         )
-        host.engines = engines
         host.last_device_health = health.as_dict()
-        await resolver.load_facts()
-        if config.scheduler.kv_parking:
-            host.kv = await trio.to_thread.run_sync(open_kv_store, config)
+        catalog = host.catalog
         try:
             for model in await trio.to_thread.run_sync(wanted_models, config):
-                await open_model(host, model)
+                await catalog.open_model(model)
             sched = config.scheduler
             async with open_scheduler(
                 lanes=host.models,
@@ -646,6 +653,7 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
                 host.scheduler = scheduler
                 async with trio.open_nursery() as tasks:
                     host.tasks = tasks
+                    catalog.attach(scheduler=scheduler, tasks=tasks, calibrator=host.calibrator)
                     await tasks.start(serve_device_health, host.refresh_device_health)
                     await tasks.start(
                         partial(
@@ -668,13 +676,13 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
                             probe_within=config.engine.load_timeout,
                         )
                     )
-                    await tasks.start(serve_models_dir, host)
+                    await tasks.start(catalog.serve_models_dir)
                     await tasks.start(serve_activity, host)
-                    host.serving = True
+                    catalog.serving = True
                     try:
                         yield host
                     finally:
-                        host.serving = False
+                        catalog.serving = False
                         tasks.cancel_scope.cancel()
         finally:
             engines.cancel_scope.cancel()  # every engine stops (its sessions parked first)

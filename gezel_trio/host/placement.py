@@ -24,7 +24,7 @@ from ..engine.supervisor import SupervisorTiming, default_slot_save_dir
 from ..errors import EngineFailed, EngineNotFound, NoCapacity
 from ..gpu.ledger import CPU_DEVICE, DeviceLedger, denial_message
 from ..gpu.placement import Placement, device_flags, place, shares
-from .runtime import ModelRuntime
+from .runtime import ModelSetup
 
 __all__ = ["EngineResolver", "argv_builder", "engine_timing", "reservation_for"]
 
@@ -83,10 +83,10 @@ def engine_timing(config: Config, model: ModelConfig) -> SupervisorTiming:
 
 
 def argv_builder(
-    config: Config, runtime: ModelRuntime, resolver: EngineResolver, state_dir: Path
+    config: Config, setup: ModelSetup, resolver: EngineResolver, state_dir: Path
 ) -> Callable[[int], tuple[list[str], int]]:
     def build(port: int) -> tuple[list[str], int]:
-        model = runtime.config  # read at each start: a reload may have changed it
+        model = setup.config  # read at each start: a reload may have changed it
         binary = resolver.get()
         assert model.path is not None
         if not Path(model.path).is_file():
@@ -94,7 +94,7 @@ def argv_builder(
                 f"engine for model {model.id!r} cannot start: "
                 f"the model file {model.path!r} does not exist"
             )
-        plan = runtime.active_plan
+        plan = setup.active_plan
         profile = build_argv(
             binary=binary.path,
             model_path=model.path,
@@ -107,9 +107,9 @@ def argv_builder(
                 *config.engine.extra_args,
                 *(
                     device_flags(
-                        runtime.placement, resolver.facts.backend if resolver.facts else None
+                        setup.placement, resolver.facts.backend if resolver.facts else None
                     )
-                    if runtime.placement is not None
+                    if setup.placement is not None
                     else ()
                 ),
             ],
@@ -125,7 +125,7 @@ def argv_builder(
 
 
 def reservation_for(
-    runtime: ModelRuntime,
+    setup: ModelSetup,
     *,
     ledger: DeviceLedger,
     device: Callable[[], str],
@@ -142,12 +142,12 @@ def reservation_for(
 
     @asynccontextmanager
     async def reserve() -> AsyncIterator[object]:
-        model = runtime.config  # read at each start: a reload may have changed it
+        model = setup.config  # read at each start: a reload may have changed it
         if model.rpc:
-            async with _rpc_plan(runtime, resolver) as plan:
+            async with _rpc_plan(setup, resolver) as plan:
                 yield plan
             return
-        info = await _model_info(runtime)
+        info = await _model_info(setup)
         device_id = device()
         snapshot = await ledger.snapshot()
 
@@ -174,7 +174,7 @@ def reservation_for(
             plan = plan_for(capacity, reserved=capacity - free, gpu=device_id != CPU_DEVICE)
             placement = Placement(plan, (device_id,))
         plan = placement.plan
-        runtime.plan = {
+        setup.plan = {
             **plan.as_dict(),
             "devices": list(placement.devices),
             "tensor_split": list(placement.split) if placement.split else None,
@@ -195,40 +195,38 @@ def reservation_for(
                 await held.enter_async_context(
                     ledger.reservation(dev, nbytes, owner=model.id, model=model.id)
                 )
-            runtime.active_plan = plan
-            runtime.placement = placement if len(placement.devices) > 1 or len(gpus) > 1 else None
+            setup.active_plan = plan
+            setup.placement = placement if len(placement.devices) > 1 or len(gpus) > 1 else None
             try:
                 yield plan
             finally:
-                runtime.active_plan = None
-                runtime.placement = None
+                setup.active_plan = None
+                setup.placement = None
 
     return reserve
 
 
-async def _model_info(runtime: ModelRuntime) -> GGUFInfo:
+async def _model_info(setup: ModelSetup) -> GGUFInfo:
     """The model file's metadata (read once, in a thread). EngineFailed when unreadable."""
-    model = runtime.config
+    model = setup.config
     assert model.path is not None
-    if runtime.gguf is None:
+    if setup.gguf is None:
         try:
-            runtime.gguf = await trio.to_thread.run_sync(read_gguf_info, model.path)
+            setup.gguf = await trio.to_thread.run_sync(read_gguf_info, model.path)
         except GGUFError as exc:
             raise EngineFailed(
                 f"engine for model {model.id!r} cannot start: {exc.message}"
             ) from exc
-    return runtime.gguf
+    return setup.gguf
 
 
 @asynccontextmanager
-async def _rpc_plan(
-    runtime: ModelRuntime, resolver: EngineResolver | None
-) -> AsyncIterator[object]:
+async def _rpc_plan(setup: ModelSetup, resolver: EngineResolver | None) -> AsyncIterator[object]:
     """Plan a model whose layers go to RPC workers against the memory they report (the
     ledger holds this machine's bytes only: nothing is reserved for the workers').
     Raises EngineFailed naming a worker that is unreachable or reports no device."""
-    model = runtime.config
-    info = await _model_info(runtime)
+    model = setup.config
+    info = await _model_info(setup)
     if resolver is None:
         raise EngineFailed(f"engine for model {model.id!r} cannot start: no llama-server resolves")
     binary = resolver.get()
@@ -246,13 +244,13 @@ async def _rpc_plan(
         gpu=True,
     )
     where = ", ".join(f"{d.endpoint} ({d.free_bytes // 1024**2} MiB free)" for d in devices)
-    runtime.plan = {**plan.as_dict(), "rpc_workers": where}
+    setup.plan = {**plan.as_dict(), "rpc_workers": where}
     if not plan.fits:
         raise NoCapacity(
             f"model {model.id!r} does not fit its RPC workers {where}: " + "; ".join(plan.reasons)
         )
-    runtime.active_plan = plan
+    setup.active_plan = plan
     try:
         yield plan
     finally:
-        runtime.active_plan = None
+        setup.active_plan = None

@@ -6,6 +6,11 @@ GPU arbiter (in ``swap`` it evicts the other slot classes first), a running job
 holds the engine (no idle or pressure release) and the GPU lease, and slots
 are sampled, erased, saved and restored through the engine's
 :class:`~gezel_trio.engine.client.EngineClient`.
+
+A runtime is built with its engine and that engine's client. What the engine is
+started from, its :class:`ModelSetup` (settings, file metadata, memory plan), exists
+before the engine does: the engine's argv builder and reservation
+(:mod:`.placement`) read and write it at every start, and the runtime shares it.
 """
 
 from __future__ import annotations
@@ -42,10 +47,44 @@ _NO_KV_STATS = KvModelStats()
 
 
 @dataclass
-class ModelRuntime:
-    """A configured model, its engine, and what the scheduler needs of both."""
+class ModelSetup:
+    """What a model's engine is started from, shared by the model's runtime and the
+    engine's argv builder and reservation (built before the engine, so before the
+    runtime): the model's settings, its file's metadata and its memory plan. Each
+    start reads ``config`` anew (a reconfigure replaces it); the reservation writes
+    the plans while the process runs. Plain state, no I/O."""
 
     config: ModelConfig
+    gguf: GGUFInfo | None = None
+    """The model file's metadata, read once when the model opens (None: external or
+    unreadable)."""
+    plan: dict[str, Any] | None = None
+    """The last memory plan, and its reasons, for status."""
+    active_plan: EnginePlan | None = None
+    """The plan of the engine process running now (inside its reservation)."""
+    placement: Placement[EnginePlan] | None = None
+    """Its GPUs, on a machine with several (None: one GPU, or the CPU)."""
+
+    @property
+    def gpu_indices(self) -> tuple[int, ...] | None:
+        """The NVML indices of the GPUs this model's engine runs on, on a machine with
+        several (None: any GPU, as on a machine with one)."""
+        if self.placement is None:
+            return None
+        return tuple(
+            int(d.partition(":")[2]) for d in self.placement.devices if d.startswith("gpu:")
+        )
+
+
+@dataclass
+class ModelRuntime:
+    """A configured model, its engine, and what the scheduler needs of both.
+
+    Built with its engine and that engine's client, inside the engine's block (see
+    :meth:`~gezel_trio.host.catalog.Catalog.open_model`); ``setup`` is what the engine
+    is started from, shared with its argv builder and reservation."""
+
+    setup: ModelSetup
     engine: Engine
     client: EngineClient
     arbiter: GpuArbiter | None = None
@@ -53,12 +92,6 @@ class ModelRuntime:
     ceiling: int | None = None
     """Admission ceiling set by calibration (1 for an engine that cannot co-batch)."""
     ceiling_reason: str | None = None
-    plan: dict[str, Any] | None = None
-    """The last memory plan, and its reasons, for status."""
-    active_plan: EnginePlan | None = None
-    """The plan of the engine process running now (inside its reservation)."""
-    placement: Placement[EnginePlan] | None = None
-    """Its GPUs, on a machine with several (None: one GPU, or the CPU)."""
     calibration: CalibrationState = field(default_factory=CalibrationState)
     kv: KvStore | None = None
     """The host's parked-KV store (None: parking off)."""
@@ -69,10 +102,44 @@ class ModelRuntime:
     retired: trio.Event = field(default_factory=trio.Event)
     """Set when the model is taken out of service: its engine's task then ends."""
     metrics: Metrics | None = None
-    gguf: GGUFInfo | None = None
     last_benchmark: dict[str, Any] | None = None
-    """The model file's metadata, read once when the host opens (None: external or unreadable)."""
     _crashes_seen: int = 0
+
+    # ------------------------------------------------------------------ setup
+
+    @property
+    def config(self) -> ModelConfig:
+        """The model's settings now (a reconfigure replaces them; see :class:`ModelSetup`)."""
+        return self.setup.config
+
+    @config.setter
+    def config(self, value: ModelConfig) -> None:
+        self.setup.config = value
+
+    @property
+    def gguf(self) -> GGUFInfo | None:
+        """The model file's metadata, read once when the model opens (None: external or
+        unreadable)."""
+        return self.setup.gguf
+
+    @gguf.setter
+    def gguf(self, value: GGUFInfo | None) -> None:
+        self.setup.gguf = value
+
+    @property
+    def plan(self) -> dict[str, Any] | None:
+        """The last memory plan, and its reasons, for status."""
+        return self.setup.plan
+
+    @property
+    def active_plan(self) -> EnginePlan | None:
+        """The plan of the engine process running now (inside its reservation)."""
+        return self.setup.active_plan
+
+    @property
+    def placement(self) -> Placement[EnginePlan] | None:
+        """Its GPUs, on a machine with several (None: one GPU, or the CPU)."""
+        return self.setup.placement
 
     # ------------------------------------------------------------------ identity
 
@@ -141,11 +208,7 @@ class ModelRuntime:
     def gpu_indices(self) -> tuple[int, ...] | None:
         """The NVML indices of the GPUs this model's engine runs on, on a machine with
         several (None: any GPU, as on a machine with one)."""
-        if self.placement is None:
-            return None
-        return tuple(
-            int(d.partition(":")[2]) for d in self.placement.devices if d.startswith("gpu:")
-        )
+        return self.setup.gpu_indices
 
     def hold(self) -> AbstractContextManager[None]:
         return self.engine.in_use()
