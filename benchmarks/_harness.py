@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from gezel_trio.bench.metrics import percentile
-from gezel_trio.engine.supervisor import free_port
+from gezel_trio.engine.ports import free_port
 
 RESULTS = Path(os.environ.get("GEZEL_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 """Where figures are written: ``benchmarks/results``, or ``$GEZEL_BENCH_RESULTS`` (``run_all

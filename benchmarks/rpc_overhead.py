@@ -42,7 +42,7 @@ import trio
 
 from gezel_trio.config import Config, ModelConfig, validate
 from gezel_trio.engine.demo_model import write_demo_model
-from gezel_trio.engine.supervisor import free_port
+from gezel_trio.engine.ports import free_port
 from gezel_trio.server import open_server
 
 from ._harness import median, write_result

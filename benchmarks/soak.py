@@ -1343,7 +1343,7 @@ def run_soak(settings: Settings, *, binary: str | None, logs: Path) -> SoakRepor
     """Start the host and the reference engines, run the soak, stop everything."""
     from gezel_trio.engine.binary import resolve_engine
     from gezel_trio.engine.demo_model import write_demo_model
-    from gezel_trio.engine.supervisor import free_port
+    from gezel_trio.engine.ports import free_port
 
     logs.mkdir(parents=True, exist_ok=True)
     models = {m: write_demo_model(logs / f"{m}.gguf", size=m) for m in MODELS}  # type: ignore[arg-type]

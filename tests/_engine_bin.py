@@ -17,7 +17,7 @@ import httpx
 import trio
 
 from gezel_trio.engine.binary import resolve_engine
-from gezel_trio.engine.supervisor import free_port
+from gezel_trio.engine.ports import free_port
 
 # llama-server closes keep-alive connections on its own schedule; a direct client
 # that reuses one can meet "server disconnected without sending a response".

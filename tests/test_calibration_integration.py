@@ -38,7 +38,7 @@ from gezel_trio.engine.calibrate import (
     probe_request,
 )
 from gezel_trio.engine.demo_model import write_demo_model
-from gezel_trio.engine.supervisor import free_port
+from gezel_trio.engine.ports import free_port
 from gezel_trio.errors import QueueFull
 from gezel_trio.host import Host
 from gezel_trio.host.calibration import RetryPolicy

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from gezel_trio.engine.binary import EngineBinary
-from gezel_trio.engine.supervisor import free_port
+from gezel_trio.engine.ports import free_port
 
 from .conftest import host_process
 

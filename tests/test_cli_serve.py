@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 
 from gezel_trio.engine.binary import EngineBinary
-from gezel_trio.engine.supervisor import free_port
+from gezel_trio.engine.ports import free_port
 
 from .conftest import pids_alive
 

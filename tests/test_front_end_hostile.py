@@ -34,7 +34,7 @@ import trio
 
 from gezel_trio.config import Config, ModelConfig, apply_env, validate
 from gezel_trio.engine.binary import EngineBinary
-from gezel_trio.engine.supervisor import free_port
+from gezel_trio.engine.ports import free_port
 from gezel_trio.errors import ConfigError
 from gezel_trio.server import Served, drain_timeout, open_served
 

@@ -38,7 +38,7 @@ import trio
 from gezel_trio.config import ModelConfig
 from gezel_trio.engine.argv import build_argv
 from gezel_trio.engine.binary import EngineBinary
-from gezel_trio.engine.supervisor import free_port
+from gezel_trio.engine.ports import free_port
 from gezel_trio.errors import ConfigError
 
 from ._engine_bin import ENGINE_LIMITS

@@ -13,7 +13,8 @@ import trio
 
 from gezel_trio.config import load_config
 from gezel_trio.engine.binary import EngineBinary
-from gezel_trio.engine.supervisor import EngineState, free_port
+from gezel_trio.engine.ports import free_port
+from gezel_trio.engine.supervisor import EngineState
 
 from .conftest import host_process, running
 

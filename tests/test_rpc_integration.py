@@ -15,8 +15,9 @@ import trio
 
 from gezel_trio.config import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
+from gezel_trio.engine.ports import free_port
 from gezel_trio.engine.rpc import unreachable, worker_binary
-from gezel_trio.engine.supervisor import EngineState, free_port
+from gezel_trio.engine.supervisor import EngineState
 
 from .conftest import make_config, running
 from .fault_tools import wait_until

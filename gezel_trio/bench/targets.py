@@ -31,7 +31,7 @@ from typing import Any, Literal
 import httpx
 import trio
 
-from gezel_trio.engine.supervisor import free_port
+from gezel_trio.engine.ports import free_port
 
 from .errors import BenchError, TargetFailed
 from .synth import Api

@@ -4,7 +4,7 @@ Engines run in their own session (so a terminal's Ctrl-C reaches only the
 host, which stops them in order). If the host itself is killed (SIGKILL, OOM,
 a power cut of the process), nothing stops them. Each running engine therefore
 has a small JSON file in the state dir naming it and its host, both with
-start-time tokens (:mod:`gezel_trio.procs`); the next host to open that state
+start-time tokens (:mod:`gezel_trio.engine.procs`); the next host to open that state
 dir kills an engine whose host is gone. A reused pid never matches a token, so
 an unrelated process is never killed.
 """
@@ -18,7 +18,7 @@ import os
 import signal
 from pathlib import Path
 
-from ..procs import process_alive, process_start_token
+from .procs import process_alive, process_start_token
 
 log = logging.getLogger("gezel_trio.engine")
 

@@ -28,7 +28,6 @@ import logging
 import math
 import os
 import signal
-import socket
 import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -44,6 +43,7 @@ from .._trio import unwrapping
 from ..errors import EngineCrashed, EngineFailed, EngineStopped, GezelError
 from .logs import LogRing
 from .pidfile import reap_orphan, remove_pidfile, write_pidfile
+from .ports import free_port
 
 _log = logging.getLogger("gezel_trio.engine.supervisor")
 
@@ -91,14 +91,6 @@ async def spawn_process(argv: Sequence[str], env: Mapping[str, str]) -> ProcessH
         start_new_session=True,
     )
     return proc
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now (another process may take it before it is bound)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @asynccontextmanager

@@ -37,7 +37,7 @@ import trio
 from gezel_trio._trio import unwrapping
 from gezel_trio.errors import ConfigError, NoCapacity
 from gezel_trio.gpu.probe import DeviceHealth
-from gezel_trio.procs import process_alive, process_start_token
+from gezel_trio.engine.procs import process_alive, process_start_token
 
 __all__ = [
     "CPU_DEVICE",
