@@ -7,7 +7,7 @@ caller one exception instead, with :func:`unwrapping` around its body.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 
 import trio
@@ -21,16 +21,28 @@ def _leaves(exc: BaseException) -> Iterator[BaseException]:
         yield exc
 
 
-def unwrap(group: BaseExceptionGroup[BaseException]) -> BaseException:
+def unwrap(
+    group: BaseExceptionGroup[BaseException],
+    *,
+    several: Callable[[list[BaseException]], BaseException] | None = None,
+) -> BaseException:
     """The one exception a caller should see instead of ``group``.
 
     The first leaf, depth first, that is not :class:`trio.Cancelled`: a real
     error beats the cancellations it caused in its sibling tasks. If every
     leaf is a Cancelled, the first of them, so that the cancel scope it
-    belongs to still catches it. Any other leaves are dropped.
+    belongs to still catches it. Any other leaves are dropped, unless
+    ``several`` is given: when more than one leaf is a real error, the
+    exception it makes of them all (in depth-first order) is the answer (the
+    benchmark harness reports every failed request that way).
     """
     leaves = list(_leaves(group))  # never empty: a group holds at least one exception
-    return next((leaf for leaf in leaves if not isinstance(leaf, trio.Cancelled)), leaves[0])
+    real = [leaf for leaf in leaves if not isinstance(leaf, trio.Cancelled)]
+    if not real:
+        return leaves[0]
+    if several is not None and len(real) > 1:
+        return several(real)
+    return real[0]
 
 
 @asynccontextmanager

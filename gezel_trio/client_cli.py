@@ -23,6 +23,8 @@ from urllib.parse import quote
 
 import httpx
 
+from .engine.units import format_bytes
+
 __all__ = ["DEFAULT_URL", "add_client_commands"]
 
 DEFAULT_URL = "http://127.0.0.1:8080"
@@ -136,14 +138,10 @@ def table(rows: Sequence[Sequence[object]], headers: Sequence[str]) -> str:
 
 
 def human_bytes(n: object) -> str | None:
+    """A size read from the host's JSON as the tables write it; None when it is none."""
     if not isinstance(n, int | float) or n < 0:
         return None
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return None  # pragma: no cover
+    return format_bytes(n, "short")
 
 
 def human_seconds(s: object) -> str | None:

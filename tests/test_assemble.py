@@ -16,8 +16,9 @@ import httpx
 import trio
 
 from gezel_trio.config import ModelConfig
-from gezel_trio.engine.assemble import SseDecoder, StreamAssembler
+from gezel_trio.engine.assemble import StreamAssembler
 from gezel_trio.engine.binary import EngineBinary
+from gezel_trio.engine.sse import SseDecoder
 
 from ._engine_bin import ENGINE_LIMITS, open_llama_server
 from .conftest import make_config, running

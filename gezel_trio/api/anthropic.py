@@ -20,7 +20,7 @@ from typing import Any
 
 from quart import Blueprint, Response
 
-from ..engine.assemble import SseDecoder
+from ..engine.sse import SseDecoder
 from ..errors import EngineFailed, GezelError
 from ..host import Host
 from ..host.completion import Completion

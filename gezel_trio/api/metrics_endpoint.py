@@ -26,6 +26,7 @@ from quart import Blueprint, Response, current_app, request
 from quart.wrappers.response import IterableBody
 from quart_trio import QuartTrio
 
+from ..engine.sse import data_payloads
 from ..errors import GezelError
 from ..host import Host, ModelRuntime
 from ..host.activity import Activity, RequestEvent
@@ -116,23 +117,19 @@ def _int(v: object) -> int | None:
 def _tail_counts(tail: bytes) -> tuple[int | None, int | None, int | None]:
     """Token counts from the last SSE event that carries usage or timings."""
     best: tuple[int | None, int | None, int | None] = (None, None, None)
-    for event in reversed(tail.split(b"\n\n")):
-        for line in event.split(b"\n"):
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if not data.startswith(b"{"):
-                continue
-            try:
-                obj = json.loads(data)
-            except ValueError:
-                continue
-            counts = token_counts(obj)
-            if counts[0] is not None:
-                if isinstance(obj.get("usage"), dict):
-                    return counts
-                if best[0] is None:
-                    best = counts
+    for data in reversed(list(data_payloads(tail))):
+        if not data.startswith(b"{"):
+            continue
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            continue
+        counts = token_counts(obj)
+        if counts[0] is not None:
+            if isinstance(obj.get("usage"), dict):
+                return counts
+            if best[0] is None:
+                best = counts
     return best
 
 

@@ -44,8 +44,8 @@ import trio
 from quart import Blueprint, Response, current_app, request
 from quart.wrappers.response import IterableBody
 
-from ..engine.assemble import SseDecoder
 from ..engine.client import UpstreamResult
+from ..engine.sse import SseDecoder
 from ..engine.supervisor import EngineState
 from ..errors import EngineFailed, FieldError, GezelError, UnknownModel
 from ..host import Host, ModelRuntime

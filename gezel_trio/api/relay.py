@@ -33,6 +33,7 @@ import trio
 from quart import Response
 
 from ..engine.client import UpstreamHead, UpstreamResult, sse_error_event
+from ..engine.sse import data_payloads
 from ..errors import EngineCrashed, EngineFailed, GezelError
 from ..host import Host, ModelRuntime
 from ..host.completion import Completion, EngineAnswer, Item, Owner, StreamJob
@@ -180,18 +181,19 @@ def _model_field(name: str) -> bytes:
 
 
 def _learn_model_field(chunk: bytes) -> bytes | None:
-    for line in chunk.split(b"\n"):
-        if line.startswith(b"data: {"):
-            try:
-                data = json.loads(line[6:])
-            except ValueError:
-                continue
-            if isinstance(data, dict):
-                named = data.get("model")
-                if not isinstance(named, str) and isinstance(data.get("response"), dict):
-                    named = data["response"].get("model")
-                if isinstance(named, str):
-                    return _model_field(named)
+    for payload in data_payloads(chunk):
+        if not payload.startswith(b"{"):
+            continue
+        try:
+            data = json.loads(payload)
+        except ValueError:
+            continue
+        if isinstance(data, dict):
+            named = data.get("model")
+            if not isinstance(named, str) and isinstance(data.get("response"), dict):
+                named = data["response"].get("model")
+            if isinstance(named, str):
+                return _model_field(named)
     return None
 
 

@@ -28,12 +28,15 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal, TextIO
 
 import httpx
 import trio
+
+from gezel_trio._trio import unwrap
+from gezel_trio.engine.sse import DONE, aiter_data
 
 from .errors import BenchError
 from .metrics import ProbeRecord, RequestRecord, SessionTurn, self_reusable_tokens
@@ -451,21 +454,8 @@ async def _open_client(
         yield c
 
 
-def _unwrap(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The one exception a caller should see instead of ``group``."""
-    rest = group.subgroup(lambda e: not isinstance(e, trio.Cancelled))
-    if rest is None:
-        return group  # only cancellation: let Trio handle it
-    leaves: list[BaseException] = []
-    stack: list[BaseException] = [rest]
-    while stack:
-        e = stack.pop()
-        if isinstance(e, BaseExceptionGroup):
-            stack.extend(e.exceptions)
-        else:
-            leaves.append(e)
-    if len(leaves) == 1:
-        return leaves[0]
+def _failed_together(leaves: list[BaseException]) -> BaseException:
+    """What a replay whose requests failed with several errors at once raises."""
     return BenchError(f"replay failed: {'; '.join(repr(e) for e in leaves[:5])}")
 
 
@@ -522,7 +512,7 @@ class _Replay:
                     for session in self.trace.sessions:
                         nursery.start_soon(self._closed_session, session)
         except BaseExceptionGroup as group:
-            raise _unwrap(group) from None
+            raise unwrap(group, several=_failed_together) from None
         return self.last_end - self.t0
 
     async def _open_request(self, turn: Turn) -> None:
@@ -598,20 +588,19 @@ class _Replay:
                         text = (await resp.aread()).decode("utf-8", "replace")
                         record.error = f"HTTP {resp.status_code}: {text[:300]}"
                         return
-                    async for line in resp.aiter_lines():
-                        if not line.startswith("data:"):
-                            continue
-                        payload = line[5:].strip()
-                        if payload == "[DONE]":
-                            break
-                        try:
-                            obj = json.loads(payload)
-                        except json.JSONDecodeError:
-                            record.error = f"bad stream chunk: {payload[:120]!r}"
-                            return
-                        parser.feed(obj, trio.current_time())
-                        if parser.error is not None:
-                            break
+                    async with aclosing(aiter_data(resp.aiter_bytes())) as payloads:
+                        async for payload in payloads:
+                            if payload == DONE:
+                                break
+                            try:
+                                obj = json.loads(payload)
+                            except ValueError:
+                                text = payload.decode("utf-8", "replace")
+                                record.error = f"bad stream chunk: {text[:120]!r}"
+                                return
+                            parser.feed(obj, trio.current_time())
+                            if parser.error is not None:
+                                break
                 finally:
                     await resp.aclose()
         except trio.TooSlowError:
@@ -735,14 +724,14 @@ class _Replay:
                         text = (await resp.aread()).decode("utf-8", "replace")
                         probe.error = f"HTTP {resp.status_code}: {text[:200]}"
                         return
-                    async for line in resp.aiter_lines():
-                        payload = line[5:].strip() if line.startswith("data:") else ""
-                        if not payload or payload == "[DONE]":
-                            continue
-                        try:
-                            parser.feed(json.loads(payload), trio.current_time())
-                        except json.JSONDecodeError:
-                            continue
+                    async with aclosing(aiter_data(resp.aiter_bytes())) as payloads:
+                        async for payload in payloads:
+                            if not payload or payload == DONE:
+                                continue
+                            try:
+                                parser.feed(json.loads(payload), trio.current_time())
+                            except ValueError:
+                                continue
         except (trio.TooSlowError, httpx.HTTPError) as exc:
             probe.error = f"{type(exc).__name__}: {exc}"
             return

@@ -31,6 +31,8 @@ from typing import Any, Literal
 import httpx
 import trio
 
+from gezel_trio.engine.argv import model_flags, server_argv, without_cache_ram
+from gezel_trio.engine.client import check_health
 from gezel_trio.engine.ports import free_port
 
 from .errors import BenchError, TargetFailed
@@ -161,18 +163,18 @@ def gguf_vocab_size(path: Path) -> int | None:
 
 
 def direct_argv(engine: EngineCommand, settings: LaunchSettings, port: int) -> list[str]:
+    """Plain ``llama-server -m MODEL``: the engine's own command line, its defaults
+    otherwise, then the benchmark's ``engine_args``."""
     return [
-        str(engine.path),
-        "-m",
-        str(settings.model_path),
-        "--host",
-        settings.host,
-        "--port",
-        str(port),
-        "--parallel",
-        str(settings.parallel),
-        "-c",
-        str(settings.parallel * settings.ctx_per_slot),
+        *server_argv(
+            engine.path,
+            serves=model_flags(str(settings.model_path), short=True),
+            host=settings.host,
+            port=port,
+            parallel=settings.parallel,
+            ctx_total=settings.parallel * settings.ctx_per_slot,
+            short=True,
+        ),
         *settings.engine_args,
     ]
 
@@ -180,20 +182,17 @@ def direct_argv(engine: EngineCommand, settings: LaunchSettings, port: int) -> l
 def router_argv(
     engine: EngineCommand, settings: LaunchSettings, port: int, models_dir: Path
 ) -> list[str]:
+    """llama-server's router mode over ``models_dir``, one model resident at a time."""
     return [
-        str(engine.path),
-        "--models-dir",
-        str(models_dir),
-        "--models-max",
-        "1",
-        "--host",
-        settings.host,
-        "--port",
-        str(port),
-        "--parallel",
-        str(settings.parallel),
-        "-c",
-        str(settings.parallel * settings.ctx_per_slot),
+        *server_argv(
+            engine.path,
+            serves=["--models-dir", str(models_dir), "--models-max", "1"],
+            host=settings.host,
+            port=port,
+            parallel=settings.parallel,
+            ctx_total=settings.parallel * settings.ctx_per_slot,
+            short=True,
+        ),
         *settings.engine_args,
     ]
 
@@ -232,7 +231,9 @@ def gezel_config_toml(
     ]
     if settings.models > 1:
         lines += ["[gpu]", 'policy = "swap"', ""]
-    args = ", ".join(_toml_str(a) for a in gezel_engine_args(settings.engine_args))
+    # the host owns --cache-ram (it keeps llama-server's RAM prompt cache, shared across
+    # sessions, off; its own KV store takes its place): pass on all other engine flags
+    args = ", ".join(_toml_str(a) for a in without_cache_ram(settings.engine_args))
     for model_id in settings.model_ids:
         lines += [
             "[[models]]",
@@ -252,25 +253,6 @@ def gezel_config_toml(
         "",
     ]
     return "\n".join(lines)
-
-
-def gezel_engine_args(args: Sequence[str]) -> list[str]:
-    """The engine flags a gezel target passes on: all but ``--cache-ram N``, which the host
-    owns (it keeps llama-server's RAM prompt cache off: that cache is shared across
-    sessions; the host's own KV store takes its place)."""
-    out: list[str] = []
-    skip = False
-    for arg in args:
-        if skip:
-            skip = False
-            continue
-        if arg in ("--cache-ram", "-cram"):
-            skip = True
-            continue
-        if arg.startswith("--cache-ram="):
-            continue
-        out.append(arg)
-    return out
 
 
 def gezel_serve_argv(config_path: Path) -> list[str]:
@@ -360,7 +342,7 @@ async def _wait_ready(
     startup_s: float,
     paths: Sequence[str] = ("/health",),
 ) -> None:
-    async with httpx.AsyncClient(base_url=base_url, timeout=5.0) as client:
+    async with httpx.AsyncClient(timeout=5.0) as client:
         with trio.move_on_after(startup_s) as scope:
             while True:
                 if proc.returncode is not None:
@@ -369,11 +351,8 @@ async def _wait_ready(
                         f"before answering; log {log}:\n{_tail(log)}"
                     )
                 for path in paths:
-                    try:
-                        resp = await client.get(path)
-                    except httpx.HTTPError:
-                        continue
-                    if resp.status_code == 200:
+                    check = await check_health(client, base_url, answer_within=5.0, path=path)
+                    if check.ok:
                         return
                 await trio.sleep(0.2)
         if scope.cancelled_caught:

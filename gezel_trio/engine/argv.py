@@ -109,6 +109,58 @@ def arg_problems(args: Sequence[str]) -> list[str]:
     return out
 
 
+def without_cache_ram(args: Sequence[str]) -> list[str]:
+    """``args`` less any ``--cache-ram N`` (``-cram N``, ``--cache-ram=N``): the flag the
+    host owns (see above), dropped from flags meant for an engine the host runs."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+            continue
+        if arg in _CACHE_RAM:
+            skip = True
+            continue
+        if arg.startswith("--cache-ram="):
+            continue
+        out.append(arg)
+    return out
+
+
+def server_argv(
+    binary: Path | str,
+    *,
+    serves: Sequence[str],
+    host: str,
+    port: int,
+    parallel: int,
+    ctx_total: int,
+    short: bool = False,
+) -> list[str]:
+    """The part of every llama-server command line: the binary, what it serves
+    (:func:`model_flags`, or a router's ``--models-dir``), where it listens and its
+    slots: ``--parallel`` slots sharing ``ctx_total`` tokens of context. ``short``
+    spells the context flag ``-c``, as one types it by hand (the benchmark's plain
+    targets)."""
+    return [
+        str(binary),
+        *serves,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--parallel",
+        str(parallel),
+        "-c" if short else "--ctx-size",
+        str(ctx_total),
+    ]
+
+
+def model_flags(model_path: str, *, short: bool = False) -> list[str]:
+    """The flags that name the model file (``--model``; ``-m`` when ``short``)."""
+    return ["-m" if short else "--model", model_path]
+
+
 @dataclass(frozen=True)
 class LaunchProfile:
     """The effective shape of an engine, read back from its final argv."""
@@ -147,18 +199,15 @@ def build_argv(
         problems = arg_problems(args)
         if problems:
             raise ConfigError(f"{where}: {problems[0]}", detail=[f"{where}: {p}" for p in problems])
-    argv: list[str] = [
-        str(binary),
-        "--model",
-        model_path,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--parallel",
-        str(parallel),
-        "--ctx-size",
-        str(ctx_per_slot * parallel),
+    argv = server_argv(
+        binary,
+        serves=model_flags(model_path),
+        host="127.0.0.1",
+        port=port,
+        parallel=parallel,
+        ctx_total=ctx_per_slot * parallel,
+    )
+    argv += [
         "--slot-save-path",
         str(slot_save_dir),
         "--metrics",

@@ -6,7 +6,8 @@ llama-server notices a closed stream on its next write, but checks a
 non-streaming request's connection only after a second with no result for
 any task, which under load can be never.
 
-Plain functions over decoded SSE events, no I/O. Three shapes:
+Plain functions over decoded SSE events (:class:`gezel_trio.engine.sse.SseDecoder`
+decodes them), no I/O. Three shapes:
 
 - ``chat``: ``/v1/chat/completions`` chunks merge into one ``chat.completion``
   the way OpenAI documents it: per choice, ``content`` and
@@ -24,36 +25,11 @@ Plain functions over decoded SSE events, no I/O. Three shapes:
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
 from typing import Any, Literal
 
-__all__ = ["Shape", "SseDecoder", "StreamAssembler"]
+__all__ = ["Shape", "StreamAssembler"]
 
 Shape = Literal["chat", "text", "native", "responses"]
-
-
-class SseDecoder:
-    """Bytes in, the JSON payload of each complete ``data:`` event out (``[DONE]``
-    and comments are skipped; an event split across reads is held back)."""
-
-    __slots__ = ("_buffer",)
-
-    def __init__(self) -> None:
-        self._buffer = b""
-
-    def feed(self, chunk: bytes) -> Iterator[Any]:
-        self._buffer += chunk
-        while True:
-            end = self._buffer.find(b"\n\n")
-            if end < 0:
-                return
-            event, self._buffer = self._buffer[:end], self._buffer[end + 2 :]
-            for line in event.split(b"\n"):
-                if line.startswith(b"data: ") or line.startswith(b"data:"):
-                    data = line[5:].strip()
-                    if data and data != b"[DONE]":
-                        yield json.loads(data)
 
 
 class StreamAssembler:

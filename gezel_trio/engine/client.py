@@ -2,7 +2,10 @@
 
 Everything the host sends to a llama-server goes through here: control calls
 (``/slots`` and its save, restore and erase actions), forwarded requests, and
-streams. Two rules live here and nowhere else:
+streams, through :class:`EngineClient`; and the calls of those who hold only a
+bare URL: health checks (:func:`check_health`: the supervisor's, the benchmark's)
+and one-off requests (:func:`request_once`: calibration's co-batch probe, the
+speed benchmark). Two rules live here and nowhere else:
 
 - **One retry rule.** A request is retried once, and only when it went out on
   a *reused* keep-alive connection that the engine had closed: the connection
@@ -45,10 +48,12 @@ from ..errors import EngineCrashed, EngineFailed, EngineTimeout, GezelError
 __all__ = [
     "EngineClient",
     "EngineEndpoint",
+    "HealthCheck",
     "Sink",
     "UpstreamCall",
     "UpstreamHead",
     "UpstreamResult",
+    "check_health",
     "request_once",
     "sse_error_event",
 ]
@@ -190,6 +195,32 @@ async def request_once(
     timeout = kwargs.pop("timeout", httpx.USE_CLIENT_DEFAULT)
     request = http.build_request(method, url, timeout=timeout, **kwargs)
     return await _send(http.send, request)
+
+
+@dataclass(frozen=True, slots=True)
+class HealthCheck:
+    """One ``GET /health``: ``ok`` when it answered 200; ``why`` says what it answered
+    (``/health answered 503``) or why nothing came (``unreachable: ConnectError: ...``)."""
+
+    ok: bool
+    why: str
+
+
+async def check_health(
+    http: httpx.AsyncClient, base_url: str, *, answer_within: float, path: str = "/health"
+) -> HealthCheck:
+    """Ask the engine at ``base_url`` once whether it is ready (``path``: another route
+    that answers 200 when ready), each phase of the request bounded by
+    ``answer_within``. Never raises for the engine's failure: that is the answer. Not
+    retried: a failed check is what a health watch counts. For callers that hold a
+    bare URL: the supervisor (before a process's URL is published, and for external
+    engines) and the benchmark's launched targets. Cancellation closes the
+    connection."""
+    try:
+        resp = await http.get(base_url + path, timeout=answer_within)
+    except httpx.HTTPError as exc:
+        return HealthCheck(False, f"unreachable: {type(exc).__name__}: {exc}")
+    return HealthCheck(resp.status_code == 200, f"{path} answered {resp.status_code}")
 
 
 def _timeout(read_timeout: float | None) -> httpx.Timeout:

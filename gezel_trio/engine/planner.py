@@ -43,6 +43,7 @@ from gezel_trio.engine.gguf_meta import (
     cache_type_row_bytes,
     kv_bytes_per_token_by_layer,
 )
+from gezel_trio.engine.units import format_bytes
 
 __all__ = [
     "CPU_RUNTIME_OVERHEAD",
@@ -75,11 +76,7 @@ DEFAULT_UBATCH = 512
 
 
 def _fmt(n: int) -> str:
-    if abs(n) >= GIB:
-        return f"{n / GIB:.2f} GiB"
-    if abs(n) >= MIB:
-        return f"{n / MIB:.1f} MiB"
-    return f"{n} B"
+    return format_bytes(n, "plan")
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,23 +17,23 @@ stops the process under a shielded deadline: no child outlives the host.
 
 External engines (a ``url``) are never spawned or killed: the supervisor only
 health-checks them, and their state says whether they are reachable.
+
+This module is the lifecycle; it composes :mod:`.process` (starting and ending the
+process), :mod:`.health` (waiting for a start, checking a running engine) and
+:mod:`.external` (an engine the host does not own). Their HTTP is
+:mod:`.client`'s.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import enum
 import logging
-import math
 import os
-import signal
-import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
 
 import httpx
 import trio
@@ -41,9 +41,25 @@ from trio_util import AsyncValue
 
 from .._trio import unwrapping
 from ..errors import EngineCrashed, EngineFailed, EngineStopped, GezelError
+from .external import check_external, watch_external
+from .health import healthy_within, wait_healthy
 from .logs import LogRing
 from .pidfile import reap_orphan, remove_pidfile, write_pidfile
 from .ports import free_port
+from .process import Launcher, ProcessHandle, describe_exit_code, end_process, spawn_process
+from .stats import EngineStats
+
+__all__ = [
+    "ArgvBuilder",
+    "Engine",
+    "EngineState",
+    "EngineStats",
+    "ReservationFactory",
+    "SupervisorTiming",
+    "default_slot_save_dir",
+    "no_reservation",
+    "open_engine",
+]
 
 _log = logging.getLogger("gezel_trio.engine.supervisor")
 
@@ -56,45 +72,14 @@ class EngineState(enum.Enum):
     FAILED = "failed"
 
 
-class ProcessHandle(Protocol):
-    """The part of :class:`trio.Process` the supervisor uses (a fake implements it in tests)."""
-
-    @property
-    def pid(self) -> int: ...
-    @property
-    def returncode(self) -> int | None: ...
-    @property
-    def stdout(self) -> trio.abc.ReceiveStream | None: ...
-    async def wait(self) -> int: ...
-    def send_signal(self, sig: int) -> None: ...
-    def kill(self) -> None: ...
-
-
-Launcher = Callable[[Sequence[str], Mapping[str, str]], Awaitable[ProcessHandle]]
 ArgvBuilder = Callable[[int], tuple[Sequence[str], int]]
 """Given a port, the argv to run and the parallel slots it configures."""
 ReservationFactory = Callable[[], AbstractAsyncContextManager[object]]
 
 
-async def spawn_process(argv: Sequence[str], env: Mapping[str, str]) -> ProcessHandle:
-    """Start a real process with stdout and stderr merged into one pipe.
-
-    The child gets its own session so a terminal's Ctrl-C reaches only the
-    host, which then stops its engines in order.
-    """
-    proc: ProcessHandle = await trio.lowlevel.open_process(
-        list(argv),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=dict(env),
-        start_new_session=True,
-    )
-    return proc
-
-
 @asynccontextmanager
 async def no_reservation() -> AsyncIterator[None]:
+    """The reservation of an engine that needs none (external, or a test's)."""
     yield None
 
 
@@ -124,37 +109,6 @@ class _Attempt:
         if not self.done.is_set():
             self.error = error
             self.done.set()
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot of one engine for ``/api/status`` and ``/metrics``."""
-
-    key: str
-    model: str
-    external: bool
-    state: str
-    failure: str | None
-    pid: int | None
-    port: int | None
-    url: str | None
-    parallel: int | None
-    generation: int
-    starts: int
-    crashes: int
-    crash_streak: int
-    last_crash: str | None
-    busy: int
-    idle_seconds: float
-    load_seconds: float | None
-    stop_seconds: float | None
-    argv: tuple[str, ...]
-    log_tail: tuple[str, ...]
-
-    def as_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["argv"], out["log_tail"] = list(self.argv), list(self.log_tail)
-        return out
 
 
 class Engine:
@@ -557,7 +511,7 @@ class Engine:
             return  # _terminate logs it (this task may be cancelled by now)
         if self.state.value is EngineState.READY:
             self._record_failure(
-                f"engine process exited unexpectedly (code {_describe_code(code)})"
+                f"engine process exited unexpectedly (code {describe_exit_code(code)})"
             )
             self._wake_monitor.set()
             await self._explain_failure()
@@ -584,33 +538,27 @@ class Engine:
     async def _wait_healthy(
         self, proc: ProcessHandle, exited: trio.Event, log_done: trio.Event
     ) -> None:
-        """Poll ``/health`` until 200, the process exits, a stop is requested or time runs out."""
-        url = f"{self._process_url}/health"
-        delay = 0.005
-        with trio.move_on_after(self.timing.load_timeout) as scope:
-            while True:
-                if exited.is_set():
-                    # Its last words (why it exited) may still be in the pipe.
-                    with trio.move_on_after(2):
-                        await log_done.wait()
-                    code = proc.returncode
-                    raise EngineFailed(
-                        f"engine for model {self.model_id!r} exited during start "
-                        f"(code {_describe_code(code)}): {self.log.summary()}"
-                    )
-                if self._stop_requested.is_set():
-                    return
-                try:
-                    resp = await self._http.get(url, timeout=self.timing.health_timeout)
-                    if resp.status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                # Poll fast while the socket comes up, then back off gently.
-                with trio.move_on_after(delay):
-                    await exited.wait()
-                delay = min(delay * 2, 0.1)
-        if scope.cancelled_caught:
+        """Wait (:func:`.health.wait_healthy`) until ``/health`` answers 200 or a stop is
+        requested. Raises :class:`EngineFailed` when the process exits first (with its
+        last log lines) or time runs out. Cancellation abandons the wait."""
+        outcome = await wait_healthy(
+            self._http,
+            self._process_url,
+            exited=exited,
+            stopping=lambda: self._stop_requested.is_set(),
+            within=self.timing.load_timeout,
+            check_timeout=self.timing.health_timeout,
+        )
+        if outcome == "exited":
+            # Its last words (why it exited) may still be in the pipe.
+            with trio.move_on_after(2):
+                await log_done.wait()
+            code = proc.returncode
+            raise EngineFailed(
+                f"engine for model {self.model_id!r} exited during start "
+                f"(code {describe_exit_code(code)}): {self.log.summary()}"
+            )
+        if outcome == "timeout":
             raise EngineFailed(
                 f"engine for model {self.model_id!r} did not become healthy within "
                 f"{self.timing.load_timeout:g}s: {self.log.summary()}"
@@ -619,7 +567,7 @@ class Engine:
     async def _monitor(self, proc: ProcessHandle, exited: trio.Event) -> None:
         """While READY: watch for exit, failed health checks, a stop request and idle TTL."""
         assert self.base_url is not None
-        url = f"{self.base_url}/health"
+        base_url = self.base_url
         failures = 0
         interval = self.timing.health_interval
         if self.timing.idle_ttl > 0:
@@ -642,13 +590,9 @@ class Engine:
             now = trio.current_time()
             if now >= next_check:
                 next_check = now + self.timing.health_interval
-                healthy = False
-                with trio.move_on_after(self.timing.health_timeout):
-                    try:
-                        resp = await self._http.get(url, timeout=self.timing.health_timeout)
-                        healthy = resp.status_code == 200
-                    except httpx.HTTPError:
-                        healthy = False
+                healthy = await healthy_within(
+                    self._http, base_url, within=self.timing.health_timeout
+                )
                 if exited.is_set():
                     return
                 failures = 0 if healthy else failures + 1
@@ -697,25 +641,14 @@ class Engine:
         self._stopping_on_purpose = True
         if proc.returncode is None:
             t0 = trio.current_time()
-            with contextlib.suppress(OSError):
-                if graceful:
-                    proc.send_signal(signal.SIGTERM)
-                else:
-                    proc.kill()
-            with trio.move_on_after(self.timing.stop_grace if graceful else math.inf):
-                await proc.wait()
-            if proc.returncode is None:
-                self.log.append(
-                    f"[gezel] no exit {self.timing.stop_grace:g}s after SIGTERM: sending SIGKILL"
-                )
-                with contextlib.suppress(OSError):
-                    proc.kill()
-                await proc.wait()
+            await end_process(
+                proc, graceful=graceful, grace=self.timing.stop_grace, note=self.log.append
+            )
             code = proc.returncode
             self._event(
                 logging.INFO,
                 "engine_exited",
-                f"exited (pid {proc.pid}, code {_describe_code(code)}, after "
+                f"exited (pid {proc.pid}, code {describe_exit_code(code)}, after "
                 f"{trio.current_time() - t0:.2f}s): {self._stop_reason}",
                 pid=proc.pid,
                 code=code,
@@ -726,57 +659,42 @@ class Engine:
                 await exited.wait()
 
     async def _run_external(self, attempt: _Attempt) -> None:
-        """An engine we do not own: READY while ``/health`` answers 200, FAILED otherwise."""
+        """An engine we do not own (:mod:`.external`): READY while ``/health`` answers
+        200, FAILED otherwise."""
         assert self.base_url is not None
+        base_url = self.base_url
         self._set(EngineState.STARTING)
-        url = f"{self.base_url}/health"
-        try:
-            resp = await self._http.get(url, timeout=self.timing.health_timeout)
-            ok = resp.status_code == 200
-            why = f"/health answered {resp.status_code}"
-        except httpx.HTTPError as exc:
-            ok = False
-            why = f"unreachable: {type(exc).__name__}: {exc}"
-        if not ok:
-            reason = f"external engine at {self.base_url} is not ready ({why})"
+        reason = await check_external(
+            self._http, base_url, answer_within=self.timing.health_timeout
+        )
+        if reason is not None:
             self._record_failure(reason)
             attempt.finish(EngineFailed(reason))
             return
         self.generation += 1
         self.ready_at = trio.current_time()
         self._set(EngineState.READY)
-        self._event(logging.INFO, "engine_ready", f"ready (external, at {self.base_url})")
+        self._event(logging.INFO, "engine_ready", f"ready (external, at {base_url})")
         attempt.finish()
-        failures = 0
-        while True:
-            self._wake_monitor = trio.Event()
-            with trio.move_on_after(self.timing.health_interval):
-                await self._wake_monitor.wait()
-            if self._stop_requested.is_set():
-                self._set(EngineState.STOPPED)
-                return
-            try:
-                resp = await self._http.get(url, timeout=self.timing.health_timeout)
-                healthy = resp.status_code == 200
-            except httpx.HTTPError:
-                healthy = False
-            failures = 0 if healthy else failures + 1
-            if failures >= self.timing.health_failures:
-                self._record_failure(
-                    f"external engine at {self.base_url} stopped answering /health"
-                )
-                return
+        reason = await watch_external(
+            self._http,
+            base_url,
+            interval=self.timing.health_interval,
+            answer_within=self.timing.health_timeout,
+            failures=self.timing.health_failures,
+            nap=self._nap,
+            stop_requested=lambda: self._stop_requested.is_set(),
+        )
+        if reason is None:
+            self._set(EngineState.STOPPED)
+        else:
+            self._record_failure(reason)
 
-
-def _describe_code(code: int | None) -> str:
-    if code is None:
-        return "unknown"
-    if code < 0:
-        try:
-            return f"{code}, {signal.Signals(-code).name}"
-        except ValueError:
-            return str(code)
-    return str(code)
+    async def _nap(self, seconds: float) -> None:
+        """Sleep ``seconds``, or less if a stop request or an exit wakes the monitor."""
+        self._wake_monitor = trio.Event()
+        with trio.move_on_after(seconds):
+            await self._wake_monitor.wait()
 
 
 @asynccontextmanager

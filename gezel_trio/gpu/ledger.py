@@ -35,9 +35,10 @@ from typing import Any
 import trio
 
 from gezel_trio._trio import unwrapping
+from gezel_trio.engine.procs import process_alive, process_start_token
+from gezel_trio.engine.units import format_bytes
 from gezel_trio.errors import ConfigError, NoCapacity
 from gezel_trio.gpu.probe import DeviceHealth
-from gezel_trio.engine.procs import process_alive, process_start_token
 
 __all__ = [
     "CPU_DEVICE",
@@ -130,14 +131,6 @@ def default_capacities(
     ram = system_ram_bytes() if ram_bytes is None else ram_bytes
     budgets[CPU_DEVICE] = int(ram * ram_fraction)
     return budgets
-
-
-def format_bytes(n: int) -> str:
-    """``6.00 GiB (6442450944 bytes)``: readable, and exact for a test or a log search."""
-    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit} ({n} bytes)"
-    return f"{n} bytes"
 
 
 # --- records --------------------------------------------------------------------------

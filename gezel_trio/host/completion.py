@@ -33,8 +33,9 @@ from typing import Any, Protocol
 import trio
 
 from ..config import Config
-from ..engine.assemble import Shape, SseDecoder, StreamAssembler
+from ..engine.assemble import Shape, StreamAssembler
 from ..engine.client import UpstreamHead
+from ..engine.sse import SseDecoder
 from ..engine.supervisor import EngineState
 from ..errors import EngineAbandoned, EngineCrashed, EngineFailed, FieldError, GezelError
 from ..scheduler import Grant, Prefix, prefix_blocks
