@@ -34,9 +34,14 @@ def unwrap(
     belongs to still catches it. Any other leaves are dropped, unless
     ``several`` is given: when more than one leaf is a real error, the
     exception it makes of them all (in depth-first order) is the answer (the
-    benchmark harness reports every failed request that way).
+    benchmark harness reports every failed request that way). A
+    :class:`KeyboardInterrupt` or :class:`SystemExit` leaf beats every other:
+    someone asked the process to stop, and no error report may swallow that.
     """
     leaves = list(_leaves(group))  # never empty: a group holds at least one exception
+    for leaf in leaves:
+        if isinstance(leaf, KeyboardInterrupt | SystemExit):
+            return leaf
     real = [leaf for leaf in leaves if not isinstance(leaf, trio.Cancelled)]
     if not real:
         return leaves[0]

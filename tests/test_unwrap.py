@@ -58,6 +58,16 @@ async def test_unwrap_of_only_cancellations_is_a_cancelled() -> None:
     assert unwrap(group) is first
 
 
+async def test_unwrap_lets_an_interrupt_through_whatever_else_failed() -> None:
+    """A Ctrl-C during a bench replay stops it; it is not reported as one more failed
+    request among the others (and the harness does not go on to the next target)."""
+    boom, interrupt, leaving = ValueError("boom"), KeyboardInterrupt(), SystemExit(3)
+    group = BaseExceptionGroup("replay", [boom, BaseExceptionGroup("inner", [interrupt])])
+    assert unwrap(group) is interrupt
+    assert unwrap(group, several=lambda leaves: RuntimeError(repr(leaves))) is interrupt
+    assert unwrap(BaseExceptionGroup("exit", [boom, leaving])) is leaving
+
+
 async def test_unwrapping_raises_the_leaf_itself_with_its_traceback() -> None:
     with pytest.raises(ValueError, match=r"^boom$") as info:
         async with unwrapping(), trio.open_nursery() as nursery:
