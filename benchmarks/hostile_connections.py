@@ -39,7 +39,7 @@ import trio
 
 from gezel_trio.bench.errors import BenchError
 from gezel_trio.bench.targets import resolve_llama_server
-from gezel_trio.config import Config, ModelConfig, validate
+from gezel_trio.config.schema import Config, ModelConfig, validate
 from gezel_trio.engine.demo_model import write_demo_model
 from gezel_trio.host import Host
 from gezel_trio.server import Served, drain_timeout, open_served

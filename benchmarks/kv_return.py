@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 import trio
 
-from gezel_trio.config import Config, ModelConfig, validate
+from gezel_trio.config.schema import Config, ModelConfig, validate
 from gezel_trio.engine.demo_model import write_demo_model
 from gezel_trio.engine.supervisor import EngineState
 from gezel_trio.host import Host

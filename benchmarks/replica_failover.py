@@ -47,7 +47,7 @@ from typing import Any
 import httpx
 import trio
 
-from gezel_trio.config import Config, ModelConfig, validate
+from gezel_trio.config.schema import Config, ModelConfig, validate
 from gezel_trio.engine.binary import resolve_engine
 from gezel_trio.engine.demo_model import write_demo_model
 from gezel_trio.engine.ports import free_port

@@ -39,7 +39,7 @@ import dataclasses
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .config import ModelConfig
+from .config.schema import ModelConfig
 from .scheduler.prefix import Prefix
 from .scheduler.prefix_index import PrefixIndex
 

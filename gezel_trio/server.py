@@ -17,7 +17,7 @@ from hypercorn.config import Config as HypercornConfig
 from ._trio import unwrapping
 from .api.app import create_app
 from .api.lean import LeanFront
-from .config import Config, split_listen
+from .config.schema import Config, split_listen
 from .errors import GezelError
 from .front_guard import FrontGuard, serve_front
 from .gpu.probe import Probe

@@ -34,7 +34,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from .config import KeylessMode
+from .config.schema import KeylessMode
 from .errors import ConfigError
 
 log = logging.getLogger("gezel_trio.sessions")

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gezel_trio.config import Config, ModelConfig, validate
+from gezel_trio.config.schema import Config, ModelConfig, validate
 from gezel_trio.engine.binary import EngineBinary, resolve_engine
 from gezel_trio.engine.demo_model import write_demo_model
 from gezel_trio.errors import EngineNotFound

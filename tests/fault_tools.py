@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import httpx
 import trio
 
-from gezel_trio.config import Config
+from gezel_trio.config.schema import Config
 from gezel_trio.host import Host
 
 from ._engine_bin import ENGINE_LIMITS

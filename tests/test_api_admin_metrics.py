@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gezel_trio.api.app import create_app
 from gezel_trio.api.errors import OLLAMA_PATHS, dialect_of
-from gezel_trio.config import Config, ModelConfig
+from gezel_trio.config.schema import Config, ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.host import Host
 from gezel_trio.host.metrics import Metrics

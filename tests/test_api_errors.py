@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import trio
 
-from gezel_trio.config import ModelConfig
+from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 
 from ._engine_bin import ENGINE_LIMITS

@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from gezel_trio.api.native import PUBLIC_SLOT_FIELDS
-from gezel_trio.config import ModelConfig
+from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 
 from ._engine_bin import ENGINE_LIMITS

@@ -15,7 +15,7 @@ import openai
 import pytest
 import trio
 
-from gezel_trio.config import ModelConfig
+from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.sessions import session_hash
 

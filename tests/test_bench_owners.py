@@ -260,7 +260,7 @@ def test_gezel_config_with_keys_and_keyless_mode(tmp_path: Path) -> None:
     data = tomllib.loads(text)
     assert data["server"]["api_keys"] == ["ka", "kb"] and data["server"]["admin_keys"] == ["adm"]
     assert data["scheduler"]["keyless"] == "conversation"
-    from gezel_trio.config import load_config, validate
+    from gezel_trio.config.schema import load_config, validate
 
     path = tmp_path / "g.toml"
     path.write_text(text)

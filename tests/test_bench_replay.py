@@ -710,7 +710,7 @@ def test_gezel_config_is_accepted_by_the_host_config(tmp_path: Path) -> None:
     ]
     assert data["scheduler"] == {"affinity": False, "kv_parking": False}
     assert "gpu" not in data
-    from gezel_trio.config import load_config, validate
+    from gezel_trio.config.schema import load_config, validate
 
     path = tmp_path / "g.toml"
     path.write_text(text)
@@ -818,7 +818,7 @@ async def test_smoke_replay_through_gezel(
     more sessions than slots. Invariants, not timings: no failures, counts add up,
     the engine's prompt counts match the synthesis, no cross-session reuse; the
     vocabulary comes from the host's own /v1/models (no --vocab-hi)."""
-    from gezel_trio.config import ModelConfig
+    from gezel_trio.config.schema import ModelConfig
 
     from .conftest import make_config, running
 

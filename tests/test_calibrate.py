@@ -15,7 +15,7 @@ import pytest
 import trio
 import trio.testing
 
-from gezel_trio.config import ModelConfig
+from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.arch import ArchVerdict, keeps_recurrent_state
 from gezel_trio.engine.binary import BuildFacts, EngineBinary, read_build_facts
 from gezel_trio.engine.calibrate import (

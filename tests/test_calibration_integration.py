@@ -29,7 +29,7 @@ import httpx
 import pytest
 import trio
 
-from gezel_trio.config import ModelConfig
+from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.calibrate import (
     CalibrationResult,

@@ -30,7 +30,7 @@ import trio
 import trio.lowlevel
 import trio.testing
 
-from gezel_trio.config import ModelConfig
+from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.client import EngineClient
 from gezel_trio.engine.supervisor import Engine, EngineState, SupervisorTiming, open_engine
 from gezel_trio.gpu.arbiter import GpuArbiter

@@ -78,8 +78,8 @@ def test_what_serving_would_hit_is_refused_with_the_key_named(
 
 
 def test_a_plan_that_does_not_fit_the_device_is_refused(tiny_model: Path) -> None:
-    from gezel_trio.config import Config, ModelConfig, validate
-    from gezel_trio.config_check import check_config
+    from gezel_trio.config.check import check_config
+    from gezel_trio.config.schema import Config, ModelConfig, validate
     from gezel_trio.gpu.probe import DeviceHealth, GpuReading
 
     gpu = GpuReading(
@@ -147,7 +147,7 @@ def test_eight_mistakes_are_reported_in_one_pass_each_labelled_once(
 
 
 def test_config_errors_are_collected_not_raised_at_the_first() -> None:
-    from gezel_trio.config import config_from_mapping
+    from gezel_trio.config.schema import config_from_mapping
     from gezel_trio.errors import ConfigError
 
     with pytest.raises(ConfigError) as info:

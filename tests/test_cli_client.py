@@ -215,7 +215,7 @@ def test_a_server_that_is_not_a_host_is_named_so(
 
 
 def test_ps_rows_from_a_status() -> None:
-    from gezel_trio.client_cli import failure_of, normalize_url, ps_json, ps_text
+    from gezel_trio.cli.client import failure_of, normalize_url, ps_json, ps_text
 
     plan = {"total_bytes": 71_248_128}
     status = {

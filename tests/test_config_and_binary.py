@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gezel_trio.config import config_from_mapping, load_config
+from gezel_trio.config.schema import config_from_mapping, load_config
 from gezel_trio.engine import binary as binary_mod
 from gezel_trio.engine.argv import build_argv, last_arg_value
 from gezel_trio.engine.binary import (

@@ -22,7 +22,7 @@ import openai
 import pytest
 import trio
 
-from gezel_trio.config import ModelConfig
+from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.demo_model import write_demo_reranker
 from gezel_trio.host import ModelRuntime

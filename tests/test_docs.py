@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from unittest.mock import MagicMock
 
-from gezel_trio.config import _SECTIONS, Config, ModelConfig
+from gezel_trio.config.schema import _SECTIONS, Config, ModelConfig
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 

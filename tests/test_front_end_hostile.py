@@ -32,7 +32,7 @@ import httpx
 import pytest
 import trio
 
-from gezel_trio.config import Config, ModelConfig, apply_env, validate
+from gezel_trio.config.schema import Config, ModelConfig, apply_env, validate
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.ports import free_port
 from gezel_trio.errors import ConfigError

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import trio
 
-from gezel_trio.config import ModelConfig
+from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.supervisor import EngineState
 from gezel_trio.gpu.probe import GpuReading, StaticProbe

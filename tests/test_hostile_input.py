@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from gezel_trio.api.app import create_app
 from gezel_trio.api.errors import OLLAMA_PATHS
-from gezel_trio.config import ModelConfig
+from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 
 from .conftest import make_config, running

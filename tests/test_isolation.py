@@ -35,7 +35,7 @@ import httpx
 import pytest
 import trio
 
-from gezel_trio.config import ModelConfig
+from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.argv import build_argv
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.ports import free_port

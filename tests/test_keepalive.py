@@ -10,7 +10,7 @@ from typing import Any
 
 import trio
 
-from gezel_trio.config import Config, ModelConfig
+from gezel_trio.config.schema import Config, ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 
 from .conftest import make_config, running

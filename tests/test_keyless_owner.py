@@ -23,7 +23,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
-from gezel_trio.config import ModelConfig, apply_env, config_from_mapping
+from gezel_trio.config.schema import ModelConfig, apply_env, config_from_mapping
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.errors import ConfigError
 from gezel_trio.host import Host, open_host

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import trio
 
-from gezel_trio.config import Config, ModelConfig
+from gezel_trio.config.schema import Config, ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.supervisor import EngineState
 from gezel_trio.gpu.probe import GpuReading, StaticProbe

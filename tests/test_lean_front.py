@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from gezel_trio.api.lean import HOT_PATHS
-from gezel_trio.config import ModelConfig
+from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.client import CONNECT
 from gezel_trio.front_guard import _body_follows

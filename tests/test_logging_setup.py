@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gezel_trio.logging_setup import JsonFormatter, TextFormatter, setup_logging
+from gezel_trio.cli.logging_setup import JsonFormatter, TextFormatter, setup_logging
 
 
 @pytest.fixture

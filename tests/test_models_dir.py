@@ -8,10 +8,10 @@ from pathlib import Path
 
 import trio
 
-from gezel_trio.config import ModelConfig
+from gezel_trio.config.models_dir import models_from_dir, scan_models_dir
+from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.supervisor import EngineState
-from gezel_trio.models_dir import models_from_dir, scan_models_dir
 
 from .conftest import make_config, running
 from .fault_tools import wait_until

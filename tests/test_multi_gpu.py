@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from gezel_trio.config import ModelConfig
+from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.gguf_meta import read_gguf_info
 from gezel_trio.engine.planner import plan_engine
 from gezel_trio.gpu.health import HealthGate, memory_pressure_from

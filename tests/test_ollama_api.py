@@ -25,7 +25,7 @@ import pytest
 import trio
 
 from gezel_trio.api.ollama_translate import OLLAMA_API_VERSION
-from gezel_trio.config import ModelConfig, validate
+from gezel_trio.config.schema import ModelConfig, validate
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.supervisor import EngineState
 from gezel_trio.errors import ConfigError

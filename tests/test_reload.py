@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import trio
 
-from gezel_trio.config import load_config
+from gezel_trio.config.schema import load_config
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.ports import free_port
 from gezel_trio.engine.supervisor import EngineState
@@ -135,7 +135,7 @@ def test_sighup_reloads_a_running_host(
 
 
 def test_plan_reload_compares_by_id_and_settings() -> None:
-    from gezel_trio.config import ModelConfig
+    from gezel_trio.config.schema import ModelConfig
     from gezel_trio.host.catalog import plan_reload
 
     current = {

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import trio
 
-from gezel_trio.config import ModelConfig
+from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.supervisor import EngineState
 from gezel_trio.replicas import MemberView, ReplicaRouter, expand_replicas

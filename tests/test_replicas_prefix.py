@@ -8,7 +8,7 @@ from typing import Any
 
 import trio
 
-from gezel_trio.config import ModelConfig
+from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.host.metrics import _replica_families
 from gezel_trio.replicas import KvPlace, MemberView, ReplicaRouter

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from gezel_trio.config import ModelConfig
+from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.ports import free_port
 from gezel_trio.engine.rpc import unreachable, worker_binary

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import trio
 
-from gezel_trio.config import Config, ModelConfig
+from gezel_trio.config.schema import Config, ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.host import Host
 

@@ -23,7 +23,7 @@ import httpx
 import pytest
 import trio
 
-from gezel_trio.config import ModelConfig
+from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.supervisor import default_slot_save_dir
 from gezel_trio.host import Host

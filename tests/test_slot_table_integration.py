@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import trio
 
-from gezel_trio.config import ModelConfig
+from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.client import EngineClient
 from gezel_trio.host import Host

@@ -11,7 +11,7 @@ import httpx
 import trio
 import trio.lowlevel
 
-from gezel_trio.config import ModelConfig
+from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.supervisor import EngineState
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import trio
 
-from gezel_trio.config import ModelConfig
+from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 
 from .conftest import make_config, running

@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from gezel_trio._trio import unwrap, unwrapping
-from gezel_trio.config import Config
+from gezel_trio.config.schema import Config
 from gezel_trio.engine.supervisor import open_engine
 from gezel_trio.errors import EngineCrashed, GezelError, NoCapacity
 from gezel_trio.gpu.ledger import open_ledger

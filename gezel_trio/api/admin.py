@@ -9,7 +9,7 @@ from typing import Any
 
 from quart import Blueprint, Response, current_app, request
 
-from ..config import Config, GpuPolicySetting, LogLevel, _coerce, validate
+from ..config.schema import Config, GpuPolicySetting, LogLevel, _coerce, validate
 from ..errors import ConfigError, FieldError
 from ..host import Host, ModelRuntime
 from .errors import json_response

@@ -260,7 +260,7 @@ def gezel_serve_argv(config_path: Path) -> list[str]:
     script = Path(sys.executable).parent / "gezel-trio"
     if script.is_file():
         return [str(script), "serve", "--config", str(config_path)]
-    code = "import sys; from gezel_trio.cli import main; sys.exit(main())"
+    code = "import sys; from gezel_trio.cli.main import main; sys.exit(main())"
     return [sys.executable, "-c", code, "serve", "--config", str(config_path)]
 
 

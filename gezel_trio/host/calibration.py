@@ -47,7 +47,7 @@ from typing import Any, Protocol
 import httpx
 import trio
 
-from ..config import ModelConfig
+from ..config.schema import ModelConfig
 from ..engine.arch import ArchVerdict, keeps_recurrent_state
 from ..engine.calibrate import CalibrationResult, decide_ceiling, probe_cobatch
 from ..engine.supervisor import Engine, EngineState

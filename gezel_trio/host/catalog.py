@@ -38,7 +38,8 @@ from typing import Any
 import httpx
 import trio
 
-from ..config import Config, ModelConfig, load_config
+from ..config.models_dir import models_from_dir
+from ..config.schema import Config, ModelConfig, load_config
 from ..engine.argv import last_arg_value
 from ..engine.client import EngineClient
 from ..engine.gguf_meta import GGUFError, read_gguf_info
@@ -48,7 +49,6 @@ from ..errors import ConfigError
 from ..gpu.arbiter import GpuArbiter
 from ..gpu.ledger import DeviceLedger
 from ..kvstore import KvStore
-from ..models_dir import models_from_dir
 from ..replicas import expand_replicas
 from ..scheduler import Scheduler
 from .calibration import Calibrator, serve_calibration

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import trio
 
-from ..config import Config
+from ..config.schema import Config
 from ..engine.assemble import Shape, StreamAssembler
 from ..engine.client import UpstreamHead
 from ..engine.sse import SseDecoder

@@ -26,7 +26,7 @@ import trio
 
 from .. import __version__
 from .._trio import unwrapping
-from ..config import Config
+from ..config.schema import Config
 from ..engine.argv import last_arg_value
 from ..engine.speed import measure_speed
 from ..engine.supervisor import EngineState, default_slot_save_dir

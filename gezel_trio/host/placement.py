@@ -14,7 +14,7 @@ from typing import Any
 
 import trio
 
-from ..config import Config, ModelConfig
+from ..config.schema import Config, ModelConfig
 from ..engine.argv import build_argv
 from ..engine.binary import BuildFacts, EngineBinary, read_build_facts, resolve_engine
 from ..engine.gguf_meta import GGUFError, GGUFInfo, read_gguf_info

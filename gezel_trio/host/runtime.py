@@ -24,7 +24,7 @@ from typing import Any
 
 import trio
 
-from ..config import ModelConfig
+from ..config.schema import ModelConfig
 from ..engine.argv import kv_shape_flags, last_arg_value
 from ..engine.client import EngineClient
 from ..engine.gguf_meta import GGUFInfo

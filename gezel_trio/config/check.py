@@ -4,7 +4,7 @@ It reports every problem in one pass, each once, labelled with the key to fix:
 
 - the config file's own validation (types, keys, ranges), collected over the whole
   file and the ``GEZEL_*`` variables instead of stopping at the first
-  (:func:`~gezel_trio.config.read_config`);
+  (:func:`~gezel_trio.config.schema.read_config`);
 - the engine flags (``engine.extra_args`` once, each model's ``args``) against the
   resolved engine's own parser, as its ``--help`` lists it
   (:mod:`gezel_trio.engine.flags`): unknown flags, ``name=value``, a value missing;
@@ -28,16 +28,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import Config
-from .engine.argv import arg_problems
-from .engine.binary import resolve_engine
-from .engine.flags import EngineFlags, engine_flags
-from .engine.gguf_meta import GGUFError, read_gguf_info
-from .engine.planner import plan_engine
-from .errors import GezelError
-from .gpu.ledger import CPU_DEVICE, default_capacities, format_bytes
-from .gpu.probe import DeviceHealth, NvmlProbe
+from ..engine.argv import arg_problems
+from ..engine.binary import resolve_engine
+from ..engine.flags import EngineFlags, engine_flags
+from ..engine.gguf_meta import GGUFError, read_gguf_info
+from ..engine.planner import plan_engine
+from ..errors import GezelError
+from ..gpu.ledger import CPU_DEVICE, default_capacities, format_bytes
+from ..gpu.probe import DeviceHealth, NvmlProbe
 from .models_dir import models_from_dir
+from .schema import Config
 
 __all__ = ["CheckReport", "check_config"]
 
@@ -98,7 +98,7 @@ def check_config(
 ) -> CheckReport:
     """Check ``config`` against the files, the engine and the device ``health`` describes
     (see the module). ``problems`` are the config file's own (from
-    :func:`~gezel_trio.config.read_config`), reported first; ``model_indices`` are the
+    :func:`~gezel_trio.config.schema.read_config`), reported first; ``model_indices`` are the
     positions in the file of ``config.models`` (for the labels). Blocking file I/O."""
     report = CheckReport(problems=list(problems))
     flags: EngineFlags | None = None

@@ -26,11 +26,11 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from .config import ModelConfig
+from .schema import ModelConfig
 
 __all__ = ["models_from_dir", "scan_models_dir"]
 
-log = logging.getLogger("gezel_trio.models_dir")
+log = logging.getLogger("gezel_trio.config.models_dir")
 
 _SPLIT = re.compile(r"(?P<name>.+)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf")
 

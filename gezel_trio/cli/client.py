@@ -23,7 +23,7 @@ from urllib.parse import quote
 
 import httpx
 
-from .engine.units import format_bytes
+from ..engine.units import format_bytes
 
 __all__ = ["DEFAULT_URL", "add_client_commands"]
 

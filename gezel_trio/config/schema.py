@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 GpuPolicySetting = Literal["auto", "coexist", "swap"]
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -537,7 +537,7 @@ def config_problems(
         )
         if f"{key}.rpc" not in skip:
             for j, endpoint in enumerate(m.rpc):
-                from .engine.rpc import parse_endpoint
+                from ..engine.rpc import parse_endpoint
 
                 try:
                     parse_endpoint(endpoint, key=f"{key}.rpc[{j}]")

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import trio
 
-from . import __version__
-from .config import Config, ModelConfig, load_config, validate
-from .errors import ConfigError, GezelError
+from .. import __version__
+from ..config.schema import Config, ModelConfig, load_config, validate
+from ..errors import ConfigError, GezelError
 
 
 def embedded_default(config: Config) -> Config:
     """No models configured (and no ``models_dir``): serve the generated ``tiny`` demo model
     as ``demo``."""
     if not config.models and not config.engine.models_dir:
-        from .engine.demo_model import demo_model_path
+        from ..engine.demo_model import demo_model_path
 
         config.models.append(
             ModelConfig(id="demo", path=str(demo_model_path("tiny")), parallel=2, ctx_per_slot=2048)
@@ -40,8 +40,8 @@ def _load_config(path: str | None) -> Config:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from ..server import serve_until_signalled
     from .logging_setup import setup_logging
-    from .server import serve_until_signalled
 
     config = _load_config(args.config)
     if args.host is not None:
@@ -65,7 +65,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from .engine.demo_model import demo_model_path, write_demo_model
+    from ..engine.demo_model import demo_model_path, write_demo_model
 
     if args.out:
         path = write_demo_model(Path(args.out), size=args.size, arch=args.arch, seed=args.seed)
@@ -76,8 +76,8 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _build_engine(args: argparse.Namespace) -> int:
-    from .engine.binary import resolve_engine
-    from .engine.build import build_engine
+    from ..engine.binary import resolve_engine
+    from ..engine.build import build_engine
 
     if args.if_needed:
         try:
@@ -97,8 +97,8 @@ def _rpc_worker(args: argparse.Namespace) -> int:
     import ipaddress
     import os
 
-    from .engine.binary import resolve_engine
-    from .engine.rpc import RPC_WORKER, run_worker, worker_argv, worker_binary
+    from ..engine.binary import resolve_engine
+    from ..engine.rpc import RPC_WORKER, run_worker, worker_argv, worker_binary
 
     engine = None
     try:
@@ -135,8 +135,8 @@ def _check_config(args: argparse.Namespace) -> int:
     """Validate the file, then check what serving it would hit (files, flags, the memory
     plan, the engine binary); print the plan and every problem at once. Exit 0 when
     serving would start, 2 not."""
-    from .config import read_config
-    from .config_check import check_config, read_device_health
+    from ..config.check import check_config, read_device_health
+    from ..config.schema import read_config
 
     try:
         reading = read_config(args.config)
@@ -223,12 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true", help="the report as JSON")
     check.set_defaults(func=_check_config)
 
-    from .client_cli import add_client_commands
+    from .client import add_client_commands
 
     add_client_commands(sub)
 
     try:
-        from .bench.cli import add_bench_arguments, run_bench
+        from ..bench.cli import add_bench_arguments, run_bench
     except ImportError:  # pragma: no cover - the bench package is part of the distribution
         pass
     else:
