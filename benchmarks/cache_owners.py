@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from gezel_trio.bench.report import figures_rows, figures_table
+from gezel_bench.report import figures_rows, figures_table
 from gezel_trio.engine.demo_model import write_demo_model
 
 RESULTS = Path(os.environ.get("GEZEL_BENCH_RESULTS") or "benchmarks/results")
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         for k in range(1, args.repeats + 1):
             out = RESULTS / (f"owners-{name}" + (f"-run{k}" if args.repeats > 1 else ""))
             cmd = [
-                sys.executable, "-m", "gezel_trio.bench", *figure,
+                sys.executable, "-m", "gezel_bench", *figure,
                 "--model", str(model), "--leak-probe", "--compare", "--check", "--no-progress",
                 *(["--no-plots"] if args.no_plots else []), "--out", str(out),
             ]  # fmt: skip

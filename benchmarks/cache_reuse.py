@@ -89,7 +89,7 @@ def main() -> None:
     model = write_demo_model(Path("benchmarks/results/tmp/small.gguf"), size="small")
     ctx = args.turns * args.growth * args.block + 512
     cmd = [
-        sys.executable, "-m", "gezel_trio.bench",
+        sys.executable, "-m", "gezel_bench",
         "--trace", f"native:{trace}",
         "--model", str(model),
         "--targets", "direct,gezel,gezel-noparking",

@@ -37,8 +37,8 @@ from typing import Any
 import httpx
 import trio
 
-from gezel_trio.bench.errors import BenchError
-from gezel_trio.bench.targets import resolve_llama_server
+from gezel_bench.errors import BenchError
+from gezel_bench.targets import resolve_llama_server
 from gezel_trio.config.schema import Config, ModelConfig, validate
 from gezel_trio.engine.demo_model import write_demo_model
 from gezel_trio.host import Host

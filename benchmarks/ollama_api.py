@@ -42,7 +42,7 @@ import ollama
 import psutil
 import trio
 
-from gezel_trio.bench.errors import BenchError
+from gezel_bench.errors import BenchError
 from gezel_trio.engine.demo_model import write_demo_model
 
 from ._harness import host_process, median, pct, write_result

@@ -45,8 +45,8 @@ from typing import Any
 import httpx
 import trio
 
-from gezel_trio.bench.errors import BenchError
-from gezel_trio.bench.targets import (
+from gezel_bench.errors import BenchError
+from gezel_bench.targets import (
     EngineCommand,
     LaunchSettings,
     open_target,

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from gezel_trio.bench.metrics import (
+from gezel_bench.metrics import (
     RequestRecord,
     SessionTurn,
     cache_hit_by_turn,

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from gezel_trio.bench.agentic import claude_code_trace
-from gezel_trio.bench.cli import parse_target
-from gezel_trio.bench.errors import BenchError
-from gezel_trio.bench.metrics import (
+from gezel_bench.agentic import claude_code_trace
+from gezel_bench.cli import parse_target
+from gezel_bench.errors import BenchError
+from gezel_bench.metrics import (
     ProbeRecord,
     RequestRecord,
     SessionTurn,
@@ -25,11 +25,11 @@ from gezel_trio.bench.metrics import (
     summarize,
     summarize_probes,
 )
-from gezel_trio.bench.replay import ReplayConfig, run_replay, session_keys
-from gezel_trio.bench.report import figures_rows, figures_table
-from gezel_trio.bench.targets import EngineCommand, LaunchSettings, gezel_config_toml
-from gezel_trio.bench.trace_specs import open_trace_spec
-from gezel_trio.bench.traces import Session, Trace, Turn, load_trace, save_trace
+from gezel_bench.replay import ReplayConfig, run_replay, session_keys
+from gezel_bench.report import figures_rows, figures_table
+from gezel_bench.targets import EngineCommand, LaunchSettings, gezel_config_toml
+from gezel_bench.trace_specs import open_trace_spec
+from gezel_bench.traces import Session, Trace, Turn, load_trace, save_trace
 
 from .test_bench_replay import FakeEngine, fake_client
 

@@ -28,13 +28,13 @@ from hypercorn.trio import serve as hyper_serve
 from quart import Response, request
 from quart_trio import QuartTrio
 
-from gezel_trio.bench.cli import add_bench_arguments, bench, run_bench
-from gezel_trio.bench.cli import main as bench_main
-from gezel_trio.bench.errors import BenchError
-from gezel_trio.bench.metrics import summarize
-from gezel_trio.bench.replay import Progress, ReplayConfig, StreamParser, run_replay
-from gezel_trio.bench.synth import PromptSynthesizer
-from gezel_trio.bench.targets import (
+from gezel_bench.cli import add_bench_arguments, bench, run_bench
+from gezel_bench.cli import main as bench_main
+from gezel_bench.errors import BenchError
+from gezel_bench.metrics import summarize
+from gezel_bench.replay import Progress, ReplayConfig, StreamParser, run_replay
+from gezel_bench.synth import PromptSynthesizer
+from gezel_bench.targets import (
     EngineCommand,
     LaunchSettings,
     direct_argv,
@@ -43,7 +43,7 @@ from gezel_trio.bench.targets import (
     resolve_llama_server,
     router_argv,
 )
-from gezel_trio.bench.traces import Session, Trace, Turn, load_trace, save_trace
+from gezel_bench.traces import Session, Trace, Turn, load_trace, save_trace
 from gezel_trio.engine.demo_model import FIM_TOKEN_IDS
 
 DEMO_VOCAB = max(FIM_TOKEN_IDS.values()) + 1

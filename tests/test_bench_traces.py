@@ -13,15 +13,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gezel_trio.bench.errors import BenchError, TraceFormatError
-from gezel_trio.bench.synth import (
+from gezel_bench.errors import BenchError, TraceFormatError
+from gezel_bench.synth import (
     PromptSynthesizer,
     endpoint_path,
     request_body,
     request_headers,
 )
-from gezel_trio.bench.trace_specs import open_trace_spec
-from gezel_trio.bench.traces import (
+from gezel_bench.trace_specs import open_trace_spec
+from gezel_bench.traces import (
     Scaling,
     Session,
     Trace,

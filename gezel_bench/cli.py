@@ -21,7 +21,8 @@ from typing import Any
 import httpx
 import trio
 
-from ..errors import GezelError
+from gezel_trio.errors import GezelError
+
 from .errors import BenchError
 from .metrics import handoff_counters
 from .replay import KeyBy, ReplayConfig, run_replay
@@ -482,7 +483,7 @@ def run_bench(args: argparse.Namespace, *, argv: list[str] | None = None) -> int
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m gezel_trio.bench``."""
+    """Entry point of ``python -m gezel_bench``."""
     parser = argparse.ArgumentParser(
         prog="gezel-trio bench",
         description="Replay an agentic trace against targets and compare them.",

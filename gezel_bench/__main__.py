@@ -1,4 +1,4 @@
-"""``python -m gezel_trio.bench``: the same as ``gezel-trio bench``."""
+"""``python -m gezel_bench``: the same as ``gezel-trio bench``."""
 
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .. import __version__
+from gezel_trio import __version__
+
 from .metrics import cache_hit_by_turn, ratios, summarize, summarize_probes
 from .replay import ReplayResult
 from .traces import Trace, save_trace

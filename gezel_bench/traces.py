@@ -3,7 +3,7 @@
 A :class:`Trace` is a set of :class:`Session` objects, each an ordered tuple of
 :class:`Turn` objects. A turn carries the prompt as a list of *hash block ids*: equal ids
 mean equal content, so the ids alone say how much of a prompt is shared with earlier
-turns. :mod:`gezel_trio.bench.synth` turns the ids into token ids.
+turns. :mod:`gezel_bench.synth` turns the ids into token ids.
 
 The native format is JSON Lines (documented in ``docs/benchmarks.md``)::
 

@@ -2,7 +2,7 @@
 
 Claude Code runs sub-agents (its Task tool) under the parent's session id, each with a
 system prompt of its own, and the parent waits for them. :func:`claude_code_trace` writes
-that shape as a :class:`~gezel_trio.bench.traces.Trace`:
+that shape as a :class:`~gezel_bench.traces.Trace`:
 
 - a root session ``cc`` (the main agent) of ``main_turns`` turns, opening with a long
   system prompt of its own;

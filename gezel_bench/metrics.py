@@ -8,7 +8,7 @@ Field names follow vLLM's and SGLang's serving benchmarks (``completed``, ``fail
 - ``cache_hit_ratio``: cached prompt tokens / prompt tokens, both as the engine counts
   them (llama.cpp ``timings.cache_n``, OpenAI ``usage.prompt_tokens_details``).
 - ``oracle_hit_ratio``: what an unlimited *per-session* prefix cache would reuse
-  (:func:`gezel_trio.bench.traces.oracle_tokens`) / prompt tokens sent.
+  (:func:`gezel_bench.traces.oracle_tokens`) / prompt tokens sent.
 - ``cache_efficiency``: ``cache_hit_ratio / oracle_hit_ratio``.
 - ``cross_session_reuse``: cached tokens a request got beyond the longest prefix its
   own session had sent or received by then (see :func:`self_reusable_tokens`), summed.

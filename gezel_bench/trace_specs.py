@@ -13,7 +13,7 @@ __all__ = ["open_trace_spec"]
 
 def open_trace_spec(spec: str, *, scaling: Scaling | None = None) -> Trace:
     """Load ``weka:PATH``, ``mooncake:PATH``, ``native:PATH`` or a plain native ``PATH``,
-    or build ``claude-code[:OPTIONS]`` (:mod:`gezel_trio.bench.agentic`), then apply
+    or build ``claude-code[:OPTIONS]`` (:mod:`gezel_bench.agentic`), then apply
     ``scaling`` (when given)."""
     kind, sep, rest = spec.partition(":")
     if kind == "claude-code":

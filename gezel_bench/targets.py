@@ -49,6 +49,7 @@ __all__ = [
     "gezel_config_toml",
     "gezel_serve_argv",
     "gguf_vocab_size",
+    "log_tail",
     "open_target",
     "resolve_llama_server",
     "router_argv",
@@ -309,7 +310,8 @@ def _signal_name(code: int) -> str:
     return f"exit code {code}"
 
 
-def _tail(path: Path, n: int = 12) -> str:
+def log_tail(path: Path, n: int = 12) -> str:
+    """The last ``n`` lines of a launched server's log (``""`` if it cannot be read)."""
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError:
@@ -348,7 +350,7 @@ async def _wait_ready(
                 if proc.returncode is not None:
                     raise TargetFailed(
                         f"{shlex.join(map(str, proc.args))} ({_signal_name(proc.returncode)}) "  # type: ignore[arg-type]
-                        f"before answering; log {log}:\n{_tail(log)}"
+                        f"before answering; log {log}:\n{log_tail(log)}"
                     )
                 for path in paths:
                     check = await check_health(client, base_url, answer_within=5.0, path=path)
@@ -357,7 +359,8 @@ async def _wait_ready(
                 await trio.sleep(0.2)
         if scope.cancelled_caught:
             raise TargetFailed(
-                f"{base_url} did not become ready within {startup_s:.0f}s; log {log}:\n{_tail(log)}"
+                f"{base_url} did not become ready within {startup_s:.0f}s; "
+                f"log {log}:\n{log_tail(log)}"
             )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import GezelError
+from gezel_trio.errors import GezelError
 
 __all__ = ["BenchError", "TargetFailed", "TraceFormatError"]
 
