@@ -1,11 +1,18 @@
-"""Shared bits for the benchmark scripts: run a real host as a subprocess, percentiles."""
+"""What the benchmark scripts share beyond the harness package (:mod:`gezel_bench`).
+
+Percentiles come from :mod:`gezel_bench.metrics`; a host for a figure starts with the
+harness's own command line and reports failure with its log tail
+(:mod:`gezel_bench.targets`). What is left here is what the scripts need and the replay
+harness does not: a synchronous host for blocking clients (the SDKs, ``httpx.Client``)
+with any config, and where a figure's JSON goes. The harness's launcher,
+:func:`gezel_bench.targets.open_target`, is async and builds one recipe's config.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -15,7 +22,8 @@ from typing import Any
 
 import httpx
 
-from gezel_trio.bench.metrics import percentile
+from gezel_bench.metrics import percentile
+from gezel_bench.targets import gezel_serve_argv, log_tail
 from gezel_trio.engine.ports import free_port
 
 RESULTS = Path(os.environ.get("GEZEL_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
@@ -26,6 +34,7 @@ __all__ = ["free_port", "host_process", "median", "pct", "write_result"]
 
 
 def pct(values: Sequence[float], p: float) -> float:
+    """:func:`gezel_bench.metrics.percentile`, NaN for no values (a figure's empty cell)."""
     return percentile(values, p) if values else float("nan")
 
 
@@ -57,13 +66,14 @@ def host_process(
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="gezel-bench-") as tmp:
         cfg = Path(tmp) / "gezel.toml"
+        log = Path(tmp) / "host.log"
         cfg.write_text(
             toml_config(models, port=port, state_dir=str(Path(tmp) / "state"), extra=extra)
         )
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gezel_trio.cli", "serve", "--config", str(cfg)],
+            gezel_serve_argv(cfg),
             stdout=subprocess.DEVNULL,
-            stderr=open(Path(tmp) / "host.log", "wb"),  # noqa: SIM115
+            stderr=open(log, "wb"),  # noqa: SIM115
             env=dict(os.environ),
         )
         base = f"http://127.0.0.1:{port}"
@@ -76,7 +86,7 @@ def host_process(
                 except httpx.HTTPError:
                     pass
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError((Path(tmp) / "host.log").read_text()[-3000:])
+                    raise RuntimeError(log_tail(log, 40))
                 time.sleep(0.05)
             yield base, proc
         finally:
