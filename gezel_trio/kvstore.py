@@ -66,6 +66,7 @@ __all__ = [
     "KvCompat",
     "KvEntry",
     "KvModelStats",
+    "KvParkingStats",
     "KvStore",
     "default_budget",
 ]
@@ -219,6 +220,40 @@ class KvModelStats:
     """Time planned stops spent saving owned slots before the SIGTERM."""
     disabled: str | None = None
     """Why parking is off for this model (restores do not take), None while on."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvParkingStats:
+    """A snapshot of one model's parking for ``/api/status`` and ``/metrics``: what is
+    parked now (``parked`` copies, their ``bytes``), then its counters as they were
+    (the fields of :class:`KvModelStats`, in its order)."""
+
+    parked: int
+    bytes: int
+    saves: int
+    save_failures: int
+    save_ms: float
+    saved_tokens: int
+    restores: int
+    restore_ms: float
+    restored_tokens: int
+    hits: int
+    misses: int
+    ineffective: int
+    diverged: int
+    dropped_incompatible: int
+    evicted: int
+    stop_parks: int
+    stop_park_ms: float
+    disabled: str | None
+
+    @classmethod
+    def of(cls, parked: int, size: int, counters: KvModelStats) -> KvParkingStats:
+        return cls(parked, size, **dataclasses.asdict(counters))
+
+    def as_dict(self) -> dict[str, object]:
+        """JSON-ready: the totals, then every counter."""
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -573,10 +608,10 @@ class KvStore:
                 with contextlib.suppress(OSError):
                     (d / e.file).unlink()
 
-    def statistics(self, model: str) -> dict[str, object]:
+    def statistics(self, model: str) -> KvParkingStats:
         """One model's parking for status: totals (``parked``: copies) and counters."""
         parked, size = self.totals(model)
-        return {"parked": parked, "bytes": size, **dataclasses.asdict(self.model_stats(model))}
+        return KvParkingStats.of(parked, size, self.model_stats(model))
 
     def __post_init__(self) -> None:
         if self.budget_bytes < 0:

@@ -41,14 +41,16 @@ from dataclasses import dataclass
 
 from .config.schema import ModelConfig
 from .scheduler.prefix import Prefix
-from .scheduler.prefix_index import PrefixIndex
+from .scheduler.prefix_index import PrefixIndex, PrefixIndexStats
 
 __all__ = [
     "KvPlace",
+    "MemberPrefixStats",
     "MemberView",
     "PrefixCounts",
     "PrefixRoute",
     "ReplicaRouter",
+    "ReplicaStats",
     "expand_replicas",
     "member_id",
 ]
@@ -134,6 +136,54 @@ class PrefixCounts:
 
     def as_dict(self) -> dict[str, int]:
         return {"hits": self.hits, "misses": self.misses, "shed": self.shed, "blocks": self.blocks}
+
+    def snapshot(self) -> MemberPrefixStats:
+        return MemberPrefixStats(self.hits, self.misses, self.shed, self.blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class MemberPrefixStats:
+    """A snapshot of one member's :class:`PrefixCounts`."""
+
+    hits: int
+    misses: int
+    shed: int
+    blocks: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {"hits": self.hits, "misses": self.misses, "shed": self.shed, "blocks": self.blocks}
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStats:
+    """A snapshot of one replicated model's router for ``/api/status`` and ``/metrics``:
+    requests per member, chats moved, session affinity and prefix routing."""
+
+    routed: dict[str, int]
+    """Requests that ran on each member."""
+    moved: int
+    """Chats sent to another member than the one holding their KV."""
+    sessions: int
+    returns: int
+    kept: int
+    affinity_hit_rate: float | None
+    prefix: dict[str, MemberPrefixStats]
+    """Per member, its prefix routing counts."""
+    prefix_hit_rate: float | None
+    prefix_index: PrefixIndexStats
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "routed": dict(self.routed),
+            "moved": self.moved,
+            "sessions": self.sessions,
+            "returns": self.returns,
+            "kept": self.kept,
+            "affinity_hit_rate": self.affinity_hit_rate,
+            "prefix": {member: counts.as_dict() for member, counts in self.prefix.items()},
+            "prefix_hit_rate": self.prefix_hit_rate,
+            "prefix_index": self.prefix_index.as_dict(),
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,17 +380,17 @@ class ReplicaRouter:
         """The member ``session`` was last sent to (None: never routed)."""
         return self._affinity.get(session)
 
-    def statistics(self) -> dict[str, object]:
+    def statistics(self) -> ReplicaStats:
         hits = sum(c.hits for c in self.prefix.values())
         found = hits + sum(c.shed for c in self.prefix.values())
-        return {
-            "routed": dict(self.routed),
-            "moved": self.moved,
-            "sessions": len(self._affinity),
-            "returns": self.returns,
-            "kept": self.kept,
-            "affinity_hit_rate": round(self.kept / self.returns, 4) if self.returns else None,
-            "prefix": {member: counts.as_dict() for member, counts in self.prefix.items()},
-            "prefix_hit_rate": round(hits / found, 4) if found else None,
-            "prefix_index": self.index.statistics().as_dict(),
-        }
+        return ReplicaStats(
+            routed=dict(self.routed),
+            moved=self.moved,
+            sessions=len(self._affinity),
+            returns=self.returns,
+            kept=self.kept,
+            affinity_hit_rate=round(self.kept / self.returns, 4) if self.returns else None,
+            prefix={member: counts.snapshot() for member, counts in self.prefix.items()},
+            prefix_hit_rate=round(hits / found, 4) if found else None,
+            prefix_index=self.index.statistics(),
+        )

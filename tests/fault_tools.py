@@ -78,7 +78,7 @@ def held_summary(host: Host) -> dict[str, Any]:
         "lease_holders": dict(arb.holders),
         "lease_waiters": len(arb.waiters),
         "busy_engines": {mid: rt.engine.busy for mid, rt in host.models.items() if rt.engine.busy},
-        "pinned_slots": {m: t["pinned"] for m, t in sched.slots.items() if t["pinned"]},
+        "pinned_slots": {m: t.pinned for m, t in sched.slots.items() if t.pinned},
     }
 
 

@@ -880,7 +880,7 @@ def test_finish_closes_a_stream_the_engine_cut_short() -> None:
     assert [b.type for b in final.content] == ["text", "tool_use"]
     assert final.stop_reason == "tool_use"
     assert events[-2]["usage"] == {"output_tokens": 0}
-    assert stream.statistics()["done"] is True
+    assert stream.statistics().done is True
 
 
 def test_finish_without_any_chunk_is_an_empty_message() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,13 @@ from gezel_trio.api.app import create_app
 from gezel_trio.api.errors import OLLAMA_PATHS, dialect_of
 from gezel_trio.config.schema import Config, ModelConfig
 from gezel_trio.engine.binary import EngineBinary
+from gezel_trio.gpu.probe import GpuReading
 from gezel_trio.host import Host
 from gezel_trio.host.metrics import Metrics
+from gezel_trio.host.snapshot import HostSnapshot
 from gezel_trio.server import exposure_warning
 
+from . import _snapshots as snapshots
 from .conftest import make_config, running
 
 API_KEY = "sk-user-0123456789abcdef"
@@ -252,38 +256,30 @@ async def test_metrics_after_requests(
 
 def test_metrics_collector_reads_status_at_scrape_time() -> None:
     """GPU, queue, engine and calibration series come from status(); events from the methods."""
-    status: dict[str, Any] = {
-        "version": "9.9",
-        "uptime_s": 12.5,
-        "scheduler": {
-            "queued": 3,
-            "max_queue": 8,
-            "waiting_model_ids": {"a": 2, "b": 1},
-            "running": {"a": 1},
-            "erases": {"ok": 4, "failed": 1},
-            "slot_owners": {"a": {"0": "abc", "1": None}},
-        },
-        "engines": [
-            {"model": "a", "state": "ready", "busy": 1, "starts": 2, "crashes": 1},
-            {"model": "b", "state": "failed", "busy": 0, "starts": 1, "crashes": 1},
-        ],
-        "gpu": {
-            "available": True,
-            "readings": [
-                {
-                    "index": 0,
-                    "name": "H200",
-                    "temperature_c": 61.0,
-                    "memory_used_bytes": 1_000,
-                    "memory_total_bytes": 4_000,
-                    "utilization_pct": 55,
-                },
-            ],
-        },
-        "calibration": {
-            "a": {"result": "failed", "prompts": 4, "distinct_answers": 3, "at": 1700.0}
-        },
-    }
+    status = snapshots.host(
+        version="9.9",
+        uptime_s=12.5,
+        scheduler=snapshots.scheduler(
+            queued=3,
+            max_queue=8,
+            waiting_model_ids={"a": 2, "b": 1},
+            running={"a": 1},
+            erases={"ok": 4, "failed": 1},
+            slot_owners={"a": {0: "abc", 1: None}},
+        ),
+        engines=(
+            snapshots.model(
+                "a",
+                state="ready",
+                busy=1,
+                starts=2,
+                crashes=1,
+                calibration={"result": "failed", "prompts": 4, "distinct_answers": 3, "at": 1700.0},
+            ),
+            snapshots.model("b", state="failed", busy=0, starts=1, crashes=1),
+        ),
+        gpu=snapshots.gpu(GpuReading(0, "H200", 61.0, 1_000, 4_000, utilization_pct=55)),
+    )
     m = Metrics(status=lambda: status)
     m.request_done("a", 200, 0.5, 0.1, 10, 6, 4)
     m.request_done("a", 503, 0.01)
@@ -330,11 +326,11 @@ def test_metrics_collector_reads_status_at_scrape_time() -> None:
     assert v("gezel_info", version="9.9") == 1
 
     # read at scrape time: a change in status shows up in the next scrape
-    status["gpu"]["readings"][0]["temperature_c"] = 70.0
+    status = replace(status, gpu=snapshots.gpu(GpuReading(0, "H200", 70.0, 1_000, 4_000)))
     assert 'gezel_gpu_temperature_celsius{gpu="0",name="H200"} 70.0' in m.render().decode()
 
     # a status that raises costs the state series, never the scrape
-    def broken() -> dict[str, Any]:
+    def broken() -> HostSnapshot:
         raise RuntimeError("boom")
 
     m2 = Metrics(status=broken)
@@ -342,7 +338,7 @@ def test_metrics_collector_reads_status_at_scrape_time() -> None:
     text = m2.render().decode()
     assert 'gezel_requests_total{model="x",status="200"} 1.0' in text
     assert "gezel_queue_depth" not in text
-    assert m2.statistics()["scrape_errors"] == 1
+    assert m2.statistics().scrape_errors == 1
 
 
 async def test_put_config_applies_live_and_names_bad_fields(
@@ -471,11 +467,11 @@ def test_exposure_defaults() -> None:
 def test_calibration_series_read_the_runtime_state_shape() -> None:
     """What /api/status really carries per engine: the verdict in "status", the probe's
     figures nested under "result", and the restarts after a failed probe."""
-    status: dict[str, Any] = {
-        "engines": [
-            {
-                "model": "rec",
-                "calibration": {
+    status = snapshots.host(
+        engines=(
+            snapshots.model(
+                "rec",
+                calibration={
                     "status": "failed",
                     "runs": 1,
                     "restarts_after_failure": 1,
@@ -486,9 +482,9 @@ def test_calibration_series_read_the_runtime_state_shape() -> None:
                         "finished_at": 1800.0,
                     },
                 },
-            }
-        ]
-    }
+            ),
+        )
+    )
     m = Metrics(status=lambda: status)
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value

@@ -239,7 +239,7 @@ async def test_real_probe_degrades_gracefully_or_reads() -> None:
         assert not (await gate.memory_pressure(60.0)).pressured
     again = await probe.read(60.0)
     assert again is first  # cached within max age
-    assert probe.statistics()["refreshes"] == 1
+    assert probe.statistics().refreshes == 1
     await probe.aclose()
     closed = await probe.read(0.0)
     assert not closed.available and closed.reason == "probe closed"
@@ -335,4 +335,4 @@ async def test_concurrent_reads_share_one_refresh(autojump_clock: object) -> Non
         for _ in range(5):
             n.start_soon(read)
     assert len(results) == 5 and all(r is results[0] for r in results)
-    assert probe.statistics()["refreshes"] == 1
+    assert probe.statistics().refreshes == 1

@@ -135,7 +135,7 @@ async def test_one_session_keeps_two_conversations_and_gets_each_back(
                     assert cached == sub_truth
                 else:
                     assert cached >= sub_truth
-            kv = host.models["tiny"].statistics().kv_parking
+            kv = host.models["tiny"].statistics().as_dict()["kv_parking"]
             assert kv["ineffective"] == 0 and kv["hits"] >= 4
             assert host.kv is not None
             copies = host.kv.copies(

@@ -88,7 +88,7 @@ async def _reference(client: httpx.AsyncClient) -> int:
 
 
 def _kv(host: Host, model: str = "tiny") -> dict[str, Any]:
-    return host.models[model].statistics().kv_parking
+    return host.models[model].statistics().as_dict()["kv_parking"]
 
 
 async def _returns_after(
@@ -124,7 +124,7 @@ async def test_a_session_returns_after_a_swap_eviction(
                 assert await _cached(client, REF[:20], None, model="other") == 0
 
             await _returns_after(host, client, swap)
-            stopped = host.models["tiny"].statistics().kv_parking
+            stopped = host.models["tiny"].statistics().as_dict()["kv_parking"]
             assert stopped["stop_park_ms"] > 0  # the eviction's added time shows
 
 

@@ -60,7 +60,7 @@ def test_router_keeps_sessions_and_spreads_keyless_load() -> None:
     router.rehome("s1", "a", lost_kv=True)  # the scheduler ran it elsewhere after all
     assert (router.returns, router.kept, router.moved) == (3, 1, 2)
     assert router.member_of("s1") == "a"
-    assert router.statistics()["affinity_hit_rate"] == round(1 / 3, 4)
+    assert router.statistics().affinity_hit_rate == round(1 / 3, 4)
 
 
 def _body(prompt: list[int], session: str | None) -> dict[str, Any]:

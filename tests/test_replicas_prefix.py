@@ -11,9 +11,10 @@ import trio
 from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.host.metrics import _replica_families
-from gezel_trio.replicas import KvPlace, MemberView, ReplicaRouter
+from gezel_trio.replicas import KvPlace, MemberPrefixStats, MemberView, ReplicaRouter
 from gezel_trio.scheduler.prefix import Prefix, prefix_blocks
 
+from . import _snapshots as snapshots
 from .conftest import make_config, running
 from .fault_tools import wait_until
 
@@ -66,7 +67,7 @@ def test_a_keyless_request_goes_where_its_owner_holds_its_longest_prefix() -> No
         held=_held(router),
     )
     assert route.place is None and not route.hit and route.member == "m@0"
-    stats = router.statistics()
+    stats = router.statistics().as_dict()
     assert stats["prefix"] == {
         "m@1": {"hits": 1, "misses": 0, "shed": 0, "blocks": 3},
         "m@0": {"hits": 1, "misses": 1, "shed": 0, "blocks": 2},
@@ -89,7 +90,7 @@ def test_an_overloaded_holder_sheds_to_the_least_loaded_member() -> None:
     )
     assert over.member == "m@1" and not over.hit and over.place == KvPlace("m@0", 0)
     assert router.prefix["m@0"].shed == 1
-    assert router.statistics()["prefix_hit_rate"] == 0.5
+    assert router.statistics().prefix_hit_rate == 0.5
     # a holder that is down is no candidate at all
     down = router.by_prefix(
         [MemberView("m@0", False, 0), MemberView("m@1", True, 5)],
@@ -155,11 +156,12 @@ def test_a_parked_copy_counts_and_a_keyed_session_follows_its_prefix() -> None:
 
 def test_prefix_routing_is_in_the_metrics() -> None:
     status = {
-        "tiny": {
-            "routed": {"tiny@0": 3},
-            "moved": 0,
-            "prefix": {"tiny@0": {"hits": 2, "misses": 1, "shed": 0, "blocks": 7}},
-        }
+        "tiny": snapshots.replica_set(
+            ("tiny@0",),
+            routed={"tiny@0": 3},
+            moved=0,
+            prefix={"tiny@0": MemberPrefixStats(hits=2, misses=1, shed=0, blocks=7)},
+        )
     }
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value

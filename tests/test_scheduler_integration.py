@@ -108,7 +108,7 @@ async def test_handoff_erases_and_same_session_keeps_kv(
             a3 = await turn(A_PROMPT, "A")  # and back
             names = [e for e, _ in events]
             stats = host.scheduler.statistics().as_dict()  # type: ignore[union-attr]
-            parking = host.models["tiny"].statistics().kv_parking
+            parking = host.models["tiny"].statistics().as_dict()["kv_parking"]
             if kv_parking:
                 assert _cached(a3) >= len(A_PROMPT) - 1  # A's KV came back from disk
                 assert names == ["done:A", "done:A", "erase:0", "done:B", "done:A"]

@@ -34,7 +34,7 @@ async def status() -> Response:
 async def activity() -> Response:
     """The dashboard's feed: the last requests (newest first) and the per-second series
     of queue depth, running jobs and median TTFT over the last ten minutes."""
-    return json_response(_host().activity.snapshot())
+    return json_response(_host().activity.snapshot().as_dict())
 
 
 @bp.get("/api/models/<model_id>/logs")

@@ -51,6 +51,7 @@ from ..errors import FieldError
 
 __all__ = [
     "MessageStream",
+    "MessageStreamStatistics",
     "chat_to_message",
     "count_tokens_to_chat",
     "engine_error",
@@ -786,6 +787,19 @@ class _ToolCall:
     block: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class MessageStreamStatistics:
+    """What a :class:`MessageStream` has done so far."""
+
+    started: bool
+    done: bool
+    blocks: int
+    open_block: BlockKind | None
+    tool_calls: int
+    finish_reason: str | None
+    dropped_argument_chars: int
+
+
 class MessageStream:
     """Turns a chat completion stream into Anthropic's Messages stream.
 
@@ -826,17 +840,17 @@ class MessageStream:
             f"blocks={self._blocks} open={self._open}>"
         )
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self) -> MessageStreamStatistics:
         """What the stream has done so far."""
-        return {
-            "started": self._started,
-            "done": self._done,
-            "blocks": self._blocks,
-            "open_block": self._open,
-            "tool_calls": len(self._tools),
-            "finish_reason": self._finish_reason,
-            "dropped_argument_chars": self._dropped,
-        }
+        return MessageStreamStatistics(
+            started=self._started,
+            done=self._done,
+            blocks=self._blocks,
+            open_block=self._open,
+            tool_calls=len(self._tools),
+            finish_reason=self._finish_reason,
+            dropped_argument_chars=self._dropped,
+        )
 
     # ------------------------------------------------------------------ API
 

@@ -62,7 +62,7 @@ def initial_state() -> dict[str, Any] | None:
     server = host.config.server
     if server.api_keys or server.admin_keys:
         return None
-    return {"status": host.status(), "activity": host.activity.snapshot()}
+    return {"status": host.status(), "activity": host.activity.snapshot().as_dict()}
 
 
 @bp.get("/")

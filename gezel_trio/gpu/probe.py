@@ -23,6 +23,7 @@ __all__ = [
     "GpuReading",
     "NvmlProbe",
     "Probe",
+    "ProbeStatistics",
     "StaticProbe",
 ]
 
@@ -92,6 +93,23 @@ class DeviceHealth:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class ProbeStatistics:
+    """What an :class:`NvmlProbe` has done: whether NVML is up, how many refreshes it
+    ran, and the last snapshot (None before the first read)."""
+
+    initialized: bool
+    refreshes: int
+    last: DeviceHealth | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "initialized": self.initialized,
+            "refreshes": self.refreshes,
+            "last": None if self.last is None else self.last.as_dict(),
+        }
+
+
 class Probe(Protocol):
     """What the health gate reads. ``read`` must not raise for a missing GPU."""
 
@@ -134,12 +152,10 @@ class NvmlProbe:
             )
         return f"<NvmlProbe {state} refreshes={self._refreshes}>"
 
-    def statistics(self) -> dict[str, Any]:
-        return {
-            "initialized": self._initialized,
-            "refreshes": self._refreshes,
-            "last": None if self._cache is None else self._cache.as_dict(),
-        }
+    def statistics(self) -> ProbeStatistics:
+        return ProbeStatistics(
+            initialized=self._initialized, refreshes=self._refreshes, last=self._cache
+        )
 
     async def read(self, max_age: float) -> DeviceHealth:
         """A snapshot no older than ``max_age`` seconds (never raises for a missing GPU)."""

@@ -10,7 +10,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["Activity", "RequestEvent"]
+__all__ = ["Activity", "ActivitySample", "ActivitySnapshot", "RequestEvent"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,12 +27,37 @@ class RequestEvent:
     completion_tokens: int | None
 
 
+@dataclass(frozen=True, slots=True)
+class ActivitySample:
+    """One second of the series: the queue then, and the median TTFT of the requests
+    that finished in it (None: none did)."""
+
+    t: float
+    queued: int
+    running: int
+    ttft_ms: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class ActivitySnapshot:
+    """The dashboard's feed: the last requests (newest first) and the series."""
+
+    requests: tuple[RequestEvent, ...]
+    series: tuple[ActivitySample, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "requests": [asdict(r) for r in self.requests],
+            "series": [asdict(s) for s in self.series],
+        }
+
+
 class Activity:
     """The last ``max_requests`` requests and ``window`` one-second samples."""
 
     def __init__(self, *, max_requests: int = 100, window: int = 600) -> None:
         self.requests: collections.deque[RequestEvent] = collections.deque(maxlen=max_requests)
-        self.series: collections.deque[dict[str, Any]] = collections.deque(maxlen=window)
+        self.series: collections.deque[ActivitySample] = collections.deque(maxlen=window)
         self._ttfts: list[float] = []
 
     def __repr__(self) -> str:
@@ -49,16 +74,13 @@ class Activity:
         ttft = statistics.median(self._ttfts) if self._ttfts else None
         self._ttfts = []
         self.series.append(
-            {
-                "t": round(time.time() if now is None else now, 3),
-                "queued": queued,
-                "running": running,
-                "ttft_ms": None if ttft is None else round(ttft, 1),
-            }
+            ActivitySample(
+                t=round(time.time() if now is None else now, 3),
+                queued=queued,
+                running=running,
+                ttft_ms=None if ttft is None else round(ttft, 1),
+            )
         )
 
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "requests": [asdict(r) for r in reversed(self.requests)],
-            "series": list(self.series),
-        }
+    def snapshot(self) -> ActivitySnapshot:
+        return ActivitySnapshot(requests=tuple(reversed(self.requests)), series=tuple(self.series))

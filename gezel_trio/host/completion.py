@@ -41,6 +41,7 @@ from ..errors import EngineAbandoned, EngineCrashed, EngineFailed, FieldError, G
 from ..scheduler import Grant, Prefix, prefix_blocks
 from ..sessions import session_hash
 from .runtime import ModelRuntime
+from .snapshot import CompletionStats
 
 log = logging.getLogger("gezel_trio.requests")
 
@@ -253,18 +254,6 @@ class SlotSource(Protocol):
     def resolve_model(
         self, model_id: object, *, session: str | None = None, avoid: Collection[str] = ()
     ) -> ModelRuntime: ...
-
-
-@dataclass(frozen=True, slots=True)
-class CompletionStats:
-    """What the service has done. ``resent``: completions sent again because their
-    engine went away before any of the answer reached the client (each is one more
-    upstream completion than requests, by design)."""
-
-    resent: int
-
-    def as_dict(self) -> dict[str, int]:
-        return {"resent": self.resent}
 
 
 class CompletionService:

@@ -48,7 +48,7 @@ from ..gpu.ledger import (
     gpu_device_id,
     open_ledger,
 )
-from ..gpu.probe import NvmlProbe, Probe
+from ..gpu.probe import DeviceHealth, NvmlProbe, Probe
 from ..kvstore import KvStore, default_budget
 from ..replicas import KvPlace, MemberView, ReplicaRouter
 from ..scheduler import (
@@ -70,6 +70,7 @@ from .completion import CompletionService
 from .metrics import Metrics
 from .placement import EngineResolver
 from .runtime import ModelRuntime
+from .snapshot import HostSnapshot, LiveConfig, ReplicaSetStats
 from .watchers import serve_device_health, serve_memory_pressure, serve_replica_revival
 
 log = logging.getLogger("gezel_trio.host")
@@ -108,7 +109,7 @@ class Host:
         """Derives each request's session from its caller and chat name (``session.key``)."""
         self.pressure_releases = 0
         self.calibration_book = CalibrationBook(config.state_dir / "calibration.json")
-        self.metrics = Metrics(status=self.status)
+        self.metrics = Metrics(status=self.snapshot)
         self.models: dict[str, ModelRuntime] = {}
         self.scheduler: Scheduler | None = None
         self.started_at = time.time()
@@ -117,7 +118,7 @@ class Host:
         self.tasks: trio.Nursery = _unset_nursery()
         """The host's own tasks: streaming relays waiting on their jobs, device-health and
         memory-pressure watchers, calibration watchers. Closed before the scheduler."""
-        self.last_device_health: dict[str, Any] | None = None
+        self.last_device_health: DeviceHealth | None = None
         self.kv = kv
         """The parked-KV store (None with ``kv_parking`` off)."""
         self.transport = transport
@@ -506,38 +507,46 @@ class Host:
         return self.live_config()
 
     def live_config(self) -> dict[str, Any]:
-        return {
-            "policy": self.config.gpu.policy,
-            "resolved_policy": self.arbiter.policy,
-            "temp_limit_c": self.config.gpu.temp_limit_c,
-            "temp_margin_c": self.config.gpu.temp_margin_c,
-            "lock_model": self.config.scheduler.lock_model,
-        }
+        return self.live_settings().as_dict()
+
+    def live_settings(self) -> LiveConfig:
+        return LiveConfig(
+            policy=self.config.gpu.policy,
+            resolved_policy=self.arbiter.policy,
+            temp_limit_c=self.config.gpu.temp_limit_c,
+            temp_margin_c=self.config.gpu.temp_margin_c,
+            lock_model=self.config.scheduler.lock_model,
+        )
 
     # -------------------------------------------------------------- status
 
-    def status(self) -> dict[str, Any]:
-        return {
-            "version": self.version,
-            "uptime_s": round(time.time() - self.started_at, 3),
-            "config": self.live_config(),
-            "engine_binary": self.resolver.status(),
-            "engines": [rt.statistics().as_dict() for rt in self.models.values()],
-            "scheduler": self.scheduler.statistics().as_dict() if self.scheduler else None,
-            "completions": self.completions.statistics().as_dict(),
-            "arbiter": self.arbiter.statistics().as_dict(),
-            "health_gate": self.health_gate.statistics().as_dict(),
-            "gpu": self.last_device_health,
-            "ledger": self.ledger.statistics().as_dict(),
-            "pressure_releases": self.pressure_releases,
-            "replicas": {
-                model_id: {
-                    "members": [rt.id for rt in self.replica_members(model_id)],
-                    **self.routers[model_id].statistics(),
-                }
-                for model_id in self.routers
+    def snapshot(self) -> HostSnapshot:
+        """Every part's statistics now: what ``/api/status`` and ``/metrics`` read."""
+        return HostSnapshot(
+            version=self.version,
+            uptime_s=round(time.time() - self.started_at, 3),
+            config=self.live_settings(),
+            engine_binary=self.resolver.status(),
+            engines=tuple(rt.statistics() for rt in self.models.values()),
+            scheduler=self.scheduler.statistics() if self.scheduler else None,
+            completions=self.completions.statistics(),
+            arbiter=self.arbiter.statistics(),
+            health_gate=self.health_gate.statistics(),
+            gpu=self.last_device_health,
+            ledger=self.ledger.statistics(),
+            pressure_releases=self.pressure_releases,
+            replicas={
+                model_id: ReplicaSetStats(
+                    members=tuple(rt.id for rt in self.replica_members(model_id)),
+                    router=router.statistics(),
+                )
+                for model_id, router in self.routers.items()
             },
-        }
+        )
+
+    def status(self) -> dict[str, Any]:
+        """The ``/api/status`` document: :meth:`snapshot` as JSON."""
+        return self.snapshot().as_json()
 
     def calibrator(self) -> Calibrator:
         assert self.scheduler is not None, "the host is not open"
@@ -574,13 +583,13 @@ class Host:
     def compute_device(self) -> str:
         """The ledger device engines are planned against: the first GPU, else RAM."""
         health = self.last_device_health
-        if health and health.get("available") and health.get("readings"):
-            return gpu_device_id(int(health["readings"][0]["index"]))
+        if health is not None and health.available and health.readings:
+            return gpu_device_id(health.readings[0].index)
         return CPU_DEVICE
 
     async def refresh_device_health(self) -> None:
         health = await self.health_gate.device_health(max_age=1.0)
-        self.last_device_health = health.as_dict()
+        self.last_device_health = health
 
 
 @asynccontextmanager
@@ -630,7 +639,7 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
             engines=engines,
             kv=kv,
         )
-        host.last_device_health = health.as_dict()
+        host.last_device_health = health
         catalog = host.catalog
         try:
             for model in await trio.to_thread.run_sync(wanted_models, config):

@@ -7,10 +7,11 @@ Two kinds of series:
   :meth:`Metrics.lease_wait`): counters and histograms in this object's own
   :class:`~prometheus_client.CollectorRegistry` (never the global one, so two
   hosts in one process, as in tests, never share series).
-- **State**, read from ``status()`` (``Host.status``) at scrape time by
-  :class:`StatusCollector`: queue depth, running jobs, engine states and
-  counts, GPU temperature and memory, calibration results. Every key is read
-  defensively: a part of the status that is missing yields no series.
+- **State**, read from the host's typed snapshot (``Host.snapshot``, a
+  :class:`~gezel_trio.host.snapshot.HostSnapshot`, the same one ``/api/status``
+  shows) at scrape time by :class:`StatusCollector`: queue depth, running jobs,
+  engine states and counts, KV parking, replica routing, GPU temperature and
+  memory, calibration results.
 
 Rendering is ``prometheus_client.generate_latest``; nothing here formats text.
 """
@@ -19,11 +20,16 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from ..gpu.probe import DeviceHealth
+from ..scheduler import SchedulerStats
+from .snapshot import HostSnapshot, ModelStats, ReplicaSetStats
 
 log = logging.getLogger("gezel_trio.metrics")
 
@@ -35,17 +41,17 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 LEASE_WAIT_BUCKETS = (0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
 
-StatusFn = Callable[[], Mapping[str, Any]]
+SnapshotFn = Callable[[], HostSnapshot]
 
 
 class Metrics:
     """The host's metrics. Methods are cheap, synchronous and never raise on bad input.
 
-    ``status`` (usually ``host.status``) is called at every scrape; leave it
+    ``status`` (usually ``host.snapshot``) is called at every scrape; leave it
     ``None`` for event series only.
     """
 
-    def __init__(self, *, status: StatusFn | None = None) -> None:
+    def __init__(self, *, status: SnapshotFn | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -174,14 +180,31 @@ class Metrics:
     # ------------------------------------------------------------------ output
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every series (calls ``status()`` once)."""
+        """The Prometheus text exposition of every series (takes one snapshot)."""
         return bytes(generate_latest(self.registry))
 
-    def statistics(self) -> dict[str, Any]:
+    def statistics(self) -> MetricsStatistics:
+        collector = self.status_collector
+        return MetricsStatistics(
+            requests_recorded=self._recorded,
+            scrapes=collector.scrapes if collector else 0,
+            scrape_errors=collector.errors if collector else 0,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsStatistics:
+    """Requests recorded as events, and scrapes of the state series (and how many failed)."""
+
+    requests_recorded: int
+    scrapes: int
+    scrape_errors: int
+
+    def as_dict(self) -> dict[str, int]:
         return {
-            "requests_recorded": self._recorded,
-            "scrapes": self.status_collector.scrapes if self.status_collector else 0,
-            "scrape_errors": self.status_collector.errors if self.status_collector else 0,
+            "requests_recorded": self.requests_recorded,
+            "scrapes": self.scrapes,
+            "scrape_errors": self.scrape_errors,
         }
 
 
@@ -198,19 +221,15 @@ def _num(v: object) -> float | None:
     return None
 
 
-def _mapping(v: object) -> Mapping[str, Any]:
-    return v if isinstance(v, Mapping) else {}
-
-
 class StatusCollector:
-    """A custom collector: turns one ``status()`` snapshot into gauges and counters.
+    """A custom collector: turns one :class:`HostSnapshot` into gauges and counters.
 
-    A status that raises yields no state series for that scrape (logged and
+    A snapshot that raises yields no state series for that scrape (logged and
     counted in ``errors``); the event series are unaffected.
     """
 
-    def __init__(self, status: StatusFn) -> None:
-        self._status = status
+    def __init__(self, snapshot: SnapshotFn) -> None:
+        self._snapshot = snapshot
         self.scrapes = 0
         self.errors = 0
 
@@ -218,107 +237,97 @@ class StatusCollector:
         return f"<StatusCollector {self.scrapes} scrapes, {self.errors} errors>"
 
     def describe(self) -> Iterable[Metric]:
-        # Unchecked: the series depend on what the status holds at scrape time.
+        # Unchecked: the series depend on what the snapshot holds at scrape time.
         return []
 
     def collect(self) -> Iterator[Metric]:
         self.scrapes += 1
         try:
-            status = self._status()
-            families = list(_families(status))
+            families = list(_families(self._snapshot()))
         except Exception:
             self.errors += 1
-            log.warning("reading the status for /metrics failed", exc_info=True)
+            log.warning("reading the host's snapshot for /metrics failed", exc_info=True)
             return
         yield from families
 
 
-def _families(status: Mapping[str, Any]) -> Iterator[Metric]:
-    version = status.get("version")
+def _families(snap: HostSnapshot) -> Iterator[Metric]:
     info = GaugeMetricFamily("gezel_info", "The host's version (always 1).", labels=["version"])
-    info.add_metric([str(version or "")], 1.0)
+    info.add_metric([snap.version], 1.0)
     yield info
-    uptime = _num(status.get("uptime_s"))
+    uptime = _num(snap.uptime_s)
     if uptime is not None:
         yield GaugeMetricFamily(
             "gezel_uptime_seconds", "Seconds since the host started.", value=uptime
         )
-    yield from _scheduler_families(_mapping(status.get("scheduler")))
-    yield from _replica_families(_mapping(status.get("replicas")))
-    yield from _engine_families(status.get("engines"))
-    yield from _gpu_families(_mapping(status.get("gpu")))
-    yield from _calibration_families(status)
+    if snap.scheduler is not None:
+        yield from _scheduler_families(snap.scheduler)
+    yield from _replica_families(snap.replicas)
+    yield from _engine_families(snap.engines)
+    if snap.gpu is not None:
+        yield from _gpu_families(snap.gpu)
+    yield from _calibration_families(snap.engines)
 
 
-def _per_model_gauge(name: str, doc: str, values: Mapping[str, Any]) -> Iterator[Metric]:
-    """One gauge family with a ``model`` label, from ``{model: number}``; nothing if empty."""
-    if not values:
-        return
-    fam = GaugeMetricFamily(name, doc, labels=["model"])
-    for model, n in values.items():
+def _labelled(
+    family: GaugeMetricFamily | CounterMetricFamily, values: Mapping[str, float]
+) -> GaugeMetricFamily | CounterMetricFamily:
+    """``family`` with one sample per ``{label: number}`` (non-finite numbers left out)."""
+    for label, n in values.items():
         v = _num(n)
         if v is not None:
-            fam.add_metric([str(model)], v)
-    yield fam
+            family.add_metric([label], v)
+    return family
 
 
-def _scheduler_families(sched: Mapping[str, Any]) -> Iterator[Metric]:
-    if not sched:
-        return
-    queued = _num(sched.get("queued"))
-    if queued is not None:
-        yield GaugeMetricFamily(
-            "gezel_queue_depth", "Requests waiting in the scheduler's queue.", value=queued
-        )
-    cap = _num(sched.get("max_queue"))
-    if cap is not None:
-        yield GaugeMetricFamily("gezel_queue_capacity", "The scheduler's queue bound.", value=cap)
-    yield from _per_model_gauge(
-        "gezel_queue_waiting",
-        "Queued requests per model.",
-        _mapping(sched.get("waiting_model_ids") or sched.get("waiting")),
+def _per_model_gauge(name: str, doc: str, values: Mapping[str, int]) -> Iterator[Metric]:
+    """One gauge family with a ``model`` label, from ``{model: number}``; nothing if empty."""
+    if values:
+        yield _labelled(GaugeMetricFamily(name, doc, labels=["model"]), values)
+
+
+def _scheduler_families(sched: SchedulerStats) -> Iterator[Metric]:
+    yield GaugeMetricFamily(
+        "gezel_queue_depth", "Requests waiting in the scheduler's queue.", value=sched.queued
+    )
+    yield GaugeMetricFamily(
+        "gezel_queue_capacity", "The scheduler's queue bound.", value=sched.max_queue
     )
     yield from _per_model_gauge(
-        "gezel_jobs_running",
-        "Admitted jobs not yet finished, per model.",
-        _mapping(sched.get("running")),
+        "gezel_queue_waiting", "Queued requests per model.", sched.waiting_model_ids
     )
-    erases = _mapping(sched.get("erases"))
-    if erases:
-        fam_c = CounterMetricFamily(
-            "gezel_scheduler_erases",
-            "Slot erase decisions made by the scheduler, by result.",
-            labels=["result"],
+    yield from _per_model_gauge(
+        "gezel_jobs_running", "Admitted jobs not yet finished, per model.", sched.running
+    )
+    if sched.erases:
+        yield _labelled(
+            CounterMetricFamily(
+                "gezel_scheduler_erases",
+                "Slot erase decisions made by the scheduler, by result.",
+                labels=["result"],
+            ),
+            sched.erases,
         )
-        for result, n in erases.items():
-            v = _num(n)
-            if v is not None:
-                fam_c.add_metric([str(result)], v)
-        yield fam_c
-    pool = _mapping(sched.get("pool"))
-    if pool:
-        fam_p = CounterMetricFamily(
-            "gezel_replica_jobs_moved",
-            "Queued jobs a replica did not run itself: failover (it went down) or pooled "
-            "(a sibling with a free slot took it).",
-            labels=["why"],
+    if sched.pool:
+        yield _labelled(
+            CounterMetricFamily(
+                "gezel_replica_jobs_moved",
+                "Queued jobs a replica did not run itself: failover (it went down) or pooled "
+                "(a sibling with a free slot took it).",
+                labels=["why"],
+            ),
+            sched.pool,
         )
-        for why, n in pool.items():
-            v = _num(n)
-            if v is not None:
-                fam_p.add_metric([str(why)], v)
-        yield fam_p
-    owners = _mapping(sched.get("slot_owners"))
-    if owners:
+    if sched.slot_owners:
         fam = GaugeMetricFamily(
             "gezel_slots_owned", "Slots whose KV belongs to a session, per model.", labels=["model"]
         )
-        for model, slots in owners.items():
-            fam.add_metric([str(model)], float(sum(1 for o in _mapping(slots).values() if o)))
+        for model, slots in sched.slot_owners.items():
+            fam.add_metric([model], float(sum(1 for o in slots.values() if o)))
         yield fam
 
 
-def _replica_families(replicas: Mapping[str, Any]) -> Iterator[Metric]:
+def _replica_families(replicas: Mapping[str, ReplicaSetStats]) -> Iterator[Metric]:
     """Per replicated model: requests routed to each member, chats moved, and prefix
     routing per member (hits, misses, shed, blocks matched)."""
     if not replicas:
@@ -333,52 +342,42 @@ def _replica_families(replicas: Mapping[str, Any]) -> Iterator[Metric]:
         "Chats sent to another member than the one holding their KV (they re-prefill).",
         labels=["model"],
     )
-    prefix = {
-        "hits": CounterMetricFamily(
-            "gezel_replica_prefix_hits",
-            "Requests sent to a member because it held the longest prefix of their owner's KV.",
-            labels=["model", "member"],
-        ),
-        "misses": CounterMetricFamily(
-            "gezel_replica_prefix_misses",
-            "Requests with a prefix sent to a member while no member held any of it.",
-            labels=["model", "member"],
-        ),
-        "shed": CounterMetricFamily(
-            "gezel_replica_prefix_shed",
-            "Requests not sent to the member holding their prefix: its load was over "
-            "[scheduler] prefix_load_bound.",
-            labels=["model", "member"],
-        ),
-        "blocks": CounterMetricFamily(
-            "gezel_replica_prefix_blocks",
-            "Prefix blocks the member held of the requests sent to it for a prefix hit.",
-            labels=["model", "member"],
-        ),
-    }
-    for model, info in replicas.items():
-        info = _mapping(info)
-        for member, n in _mapping(info.get("routed")).items():
-            v = _num(n)
-            if v is not None:
-                routed.add_metric([str(model), str(member)], v)
-        v = _num(info.get("moved"))
-        if v is not None:
-            moved.add_metric([str(model)], v)
-        for member, counts in _mapping(info.get("prefix")).items():
-            counts = _mapping(counts)
-            for key, fam in prefix.items():
-                v = _num(counts.get(key))
-                if v is not None:
-                    fam.add_metric([str(model), str(member)], v)
-    yield routed
-    yield moved
-    yield from prefix.values()
+    hits = CounterMetricFamily(
+        "gezel_replica_prefix_hits",
+        "Requests sent to a member because it held the longest prefix of their owner's KV.",
+        labels=["model", "member"],
+    )
+    misses = CounterMetricFamily(
+        "gezel_replica_prefix_misses",
+        "Requests with a prefix sent to a member while no member held any of it.",
+        labels=["model", "member"],
+    )
+    shed = CounterMetricFamily(
+        "gezel_replica_prefix_shed",
+        "Requests not sent to the member holding their prefix: its load was over "
+        "[scheduler] prefix_load_bound.",
+        labels=["model", "member"],
+    )
+    blocks = CounterMetricFamily(
+        "gezel_replica_prefix_blocks",
+        "Prefix blocks the member held of the requests sent to it for a prefix hit.",
+        labels=["model", "member"],
+    )
+    for model, replica_set in replicas.items():
+        router = replica_set.router
+        for member, n in router.routed.items():
+            routed.add_metric([model, member], float(n))
+        moved.add_metric([model], float(router.moved))
+        for member, counts in router.prefix.items():
+            labels = [model, member]
+            hits.add_metric(labels, float(counts.hits))
+            misses.add_metric(labels, float(counts.misses))
+            shed.add_metric(labels, float(counts.shed))
+            blocks.add_metric(labels, float(counts.blocks))
+    yield from (routed, moved, hits, misses, shed, blocks)
 
 
-def _engine_families(engines: object) -> Iterator[Metric]:
-    if not isinstance(engines, list):
-        return
+def _engine_families(engines: Sequence[ModelStats]) -> Iterator[Metric]:
     state = GaugeMetricFamily(
         "gezel_engine_state",
         "1 for the engine's current state, 0 for the others.",
@@ -397,46 +396,44 @@ def _engine_families(engines: object) -> Iterator[Metric]:
         key: GaugeMetricFamily(f"gezel_kv_{name}", doc, labels=["model"])
         for key, name, doc in _KV_GAUGES
     }
+    enabled = GaugeMetricFamily(
+        "gezel_kv_parking_enabled",
+        "1 while the model parks KV, 0 once restores proved not to take.",
+        labels=["model"],
+    )
     kv_counters = {
         key: CounterMetricFamily(f"gezel_kv_{name}", doc, labels=["model"])
         for key, name, doc in _KV_COUNTERS
     }
-    for eng in engines:
-        e = _mapping(eng)
-        model = str(e.get("model") or e.get("key") or "")
+    for stats in engines:
+        engine = stats.engine
+        model = engine.model or engine.key
         if not model:
             continue
-        current = e.get("state")
         for s in ENGINE_STATES:
-            state.add_metric([model, s], 1.0 if current == s else 0.0)
-        for fam, key in ((busy, "busy"), (starts, "starts"), (crashes, "crashes")):
-            v = _num(e.get(key))
-            if v is not None:
-                fam.add_metric([model], v)
-        kv = _mapping(e.get("kv_parking"))
+            state.add_metric([model, s], 1.0 if engine.state == s else 0.0)
+        busy.add_metric([model], float(engine.busy))
+        starts.add_metric([model], float(engine.starts))
+        crashes.add_metric([model], float(engine.crashes))
+        kv = stats.kv_parking
+        if kv is None:
+            continue
         families: list[tuple[str, GaugeMetricFamily | CounterMetricFamily]] = [
             *kv_gauges.items(),
             *kv_counters.items(),
         ]
         for key, family in families:
-            v = _num(kv.get(key))
-            if v is not None:
-                family.add_metric([model], v)
-        if kv:
-            enabled = kv_gauges["enabled"]
-            enabled.add_metric([model], 0.0 if kv.get("disabled") else 1.0)
-    yield from (state, busy, starts, crashes, *kv_gauges.values(), *kv_counters.values())
+            family.add_metric([model], float(getattr(kv, key)))
+        enabled.add_metric([model], 0.0 if kv.disabled else 1.0)
+    parked, size = kv_gauges["parked"], kv_gauges["bytes"]
+    yield from (state, busy, starts, crashes, parked, size, enabled, *kv_counters.values())
 
 
 _KV_GAUGES = (
     ("parked", "parked_sessions", "Sessions with KV parked on disk."),
     ("bytes", "parked_bytes", "Bytes of parked KV files."),
-    (
-        "enabled",
-        "parking_enabled",
-        "1 while the model parks KV, 0 once restores proved not to take.",
-    ),
 )
+"""(field of :class:`KvParkingStats`, series name, help) of the parking gauges."""
 _KV_COUNTERS = (
     ("hits", "restore_hits", "Restores the next completion confirmed (it reused the tokens)."),
     ("misses", "misses", "Keyed jobs whose session was neither in its slot nor parked."),
@@ -448,56 +445,35 @@ _KV_COUNTERS = (
 )
 
 
-def _gpu_families(gpu: Mapping[str, Any]) -> Iterator[Metric]:
-    readings = gpu.get("readings")
-    if not isinstance(readings, list) or not readings:
+def _gpu_families(gpu: DeviceHealth) -> Iterator[Metric]:
+    if not gpu.readings:
         return
     labels = ["gpu", "name"]
     temp = GaugeMetricFamily("gezel_gpu_temperature_celsius", "GPU temperature.", labels=labels)
     used = GaugeMetricFamily("gezel_gpu_memory_used_bytes", "GPU memory in use.", labels=labels)
     total = GaugeMetricFamily("gezel_gpu_memory_total_bytes", "GPU memory in total.", labels=labels)
     util = GaugeMetricFamily("gezel_gpu_utilization_percent", "GPU utilization.", labels=labels)
-    for i, reading in enumerate(readings):
-        r = _mapping(reading)
-        lv = [str(r.get("index", i)), str(r.get("name") or "")]
-        for fam, key in (
-            (temp, "temperature_c"),
-            (used, "memory_used_bytes"),
-            (total, "memory_total_bytes"),
-            (util, "utilization_pct"),
+    for r in gpu.readings:
+        lv = [str(r.index), r.name]
+        for fam, value in (
+            (temp, r.temperature_c),
+            (used, r.memory_used_bytes),
+            (total, r.memory_total_bytes),
+            (util, r.utilization_pct),
         ):
-            v = _num(r.get(key))
+            v = _num(value)
             if v is not None:
                 fam.add_metric(lv, v)
     yield from (temp, used, total, util)
 
 
-def _calibration_entries(status: Mapping[str, Any]) -> list[tuple[str, Mapping[str, Any]]]:
-    """(model, result) pairs from ``status["calibration"]`` (a map or a list) or each engine's."""
-    out: list[tuple[str, Mapping[str, Any]]] = []
-    cal = status.get("calibration")
-    if isinstance(cal, Mapping):
-        for model, entry in cal.items():
-            if isinstance(entry, Mapping):
-                out.append((str(model), entry))
-    elif isinstance(cal, list):
-        for entry in cal:
-            if isinstance(entry, Mapping) and entry.get("model"):
-                out.append((str(entry["model"]), entry))
-    if not out and isinstance(status.get("engines"), list):
-        for eng in status["engines"]:
-            e = _mapping(eng)
-            c = e.get("calibration")
-            if isinstance(c, Mapping) and e.get("model"):
-                out.append((str(e["model"]), c))
-    return out
-
-
 CALIBRATION_RESULTS = ("passed", "failed", "not_run")
 
 
-def _calibration_families(status: Mapping[str, Any]) -> Iterator[Metric]:
-    entries = _calibration_entries(status)
+def _calibration_families(engines: Sequence[ModelStats]) -> Iterator[Metric]:
+    """Each model's calibration state (as ``/api/status`` shows it): the verdict in
+    ``status``, the probe's figures under ``result``."""
+    entries = [(stats.engine.model, stats.calibration) for stats in engines if stats.engine.model]
     if not entries:
         return
     result = GaugeMetricFamily(

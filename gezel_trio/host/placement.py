@@ -25,8 +25,15 @@ from ..errors import EngineFailed, EngineNotFound, NoCapacity
 from ..gpu.ledger import CPU_DEVICE, DeviceLedger, denial_message
 from ..gpu.placement import Placement, device_flags, place, shares
 from .runtime import ModelSetup
+from .snapshot import EngineBinaryStatus
 
-__all__ = ["EngineResolver", "argv_builder", "engine_timing", "reservation_for"]
+__all__ = [
+    "EngineBinaryStatus",
+    "EngineResolver",
+    "argv_builder",
+    "engine_timing",
+    "reservation_for",
+]
 
 
 class EngineResolver:
@@ -55,18 +62,13 @@ class EngineResolver:
             return
         self.facts = await trio.to_thread.run_sync(read_build_facts, binary)
 
-    def status(self) -> dict[str, Any]:
-        if self._binary is None:
-            return {
-                "path": None,
-                "found_by": None,
-                "error": self.error.message if self.error else None,
-            }
-        return {
-            "path": str(self._binary.path),
-            "found_by": self._binary.found_by,
-            "build": self.facts.as_dict() if self.facts else None,
-        }
+    def status(self) -> EngineBinaryStatus:
+        binary = self._binary
+        if binary is None:
+            return EngineBinaryStatus(
+                path=None, found_by=None, error=self.error.message if self.error else None
+            )
+        return EngineBinaryStatus(path=str(binary.path), found_by=binary.found_by, build=self.facts)
 
 
 def engine_timing(config: Config, model: ModelConfig) -> SupervisorTiming:

@@ -29,7 +29,7 @@ from ..engine.argv import kv_shape_flags, last_arg_value
 from ..engine.client import EngineClient
 from ..engine.gguf_meta import GGUFInfo
 from ..engine.planner import EnginePlan
-from ..engine.supervisor import Engine, EngineState, EngineStats
+from ..engine.supervisor import Engine, EngineState
 from ..errors import EngineFailed, FieldError, GezelError
 from ..gpu.arbiter import GpuArbiter
 from ..gpu.placement import Placement
@@ -38,6 +38,7 @@ from ..scheduler.jobs import SlotMeasurement
 from ..scheduler.prefix import Prefix
 from .calibration import CalibrationState
 from .metrics import Metrics
+from .snapshot import ModelStats
 
 log = logging.getLogger("gezel_trio.host.runtime")
 
@@ -494,42 +495,7 @@ class ModelRuntime:
             plan=self.plan,
             calibration=self.calibration.as_dict(),
             benchmark=self.last_benchmark,
-            kv_parking=self.kv.statistics(self.id) if self.kv is not None else {},
+            kv_parking=self.kv.statistics(self.id) if self.kv is not None else None,
             upstream_calls=dict(self.client.calls),
             replica_of=self.config.replica_of,
         )
-
-
-@dataclass(frozen=True, slots=True)
-class ModelStats:
-    """A snapshot of one model for ``/api/status`` and ``/metrics``: its engine's,
-    and what the host adds (plan, calibration, parking, upstream calls)."""
-
-    engine: EngineStats
-    name: str
-    slot_class: str
-    admission_ceiling: int
-    ceiling_reason: str | None
-    plan: dict[str, Any] | None
-    calibration: dict[str, Any]
-    benchmark: dict[str, Any] | None
-    kv_parking: dict[str, Any]
-    upstream_calls: dict[str, int]
-    replica_of: str | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        """The engine's fields and the host's, flat (the status page and the
-        metrics collector read them so)."""
-        return {
-            **self.engine.as_dict(),
-            "name": self.name,
-            "slot_class": self.slot_class,
-            "admission_ceiling": self.admission_ceiling,
-            "ceiling_reason": self.ceiling_reason,
-            "plan": self.plan,
-            "calibration": self.calibration,
-            "benchmark": self.benchmark,
-            "kv_parking": dict(self.kv_parking),
-            "replica_of": self.replica_of,
-            "upstream_calls": dict(self.upstream_calls),
-        }

@@ -97,7 +97,7 @@ from gezel_trio.scheduler.jobs import (
 )
 from gezel_trio.scheduler.pool import fail_over
 from gezel_trio.scheduler.queues import Job, _Family, _Model, detach
-from gezel_trio.scheduler.slots import SlotTable
+from gezel_trio.scheduler.slots import SlotTable, SlotTableStats
 from gezel_trio.scheduler.stats import ActiveOp, SchedulerStats
 
 __all__ = ["SchedulerPolicy"]
@@ -853,7 +853,7 @@ class SchedulerPolicy:
         waiting_ids: dict[str, int] = {}
         running: dict[str, int] = {}
         owners: dict[str, dict[int, str | None]] = {}
-        slots: dict[str, dict[str, object]] = {}
+        slots: dict[str, SlotTableStats] = {}
         loading: list[str] = []
         for model in self._models.values():
             if model.waiting:
@@ -868,13 +868,7 @@ class SchedulerPolicy:
                 stats = table.statistics()
                 if stats.owners:
                     owners[model.model_id] = stats.owners
-                slots[model.model_id] = {
-                    "generation": stats.generation,
-                    "slots": stats.slots,
-                    "pinned": stats.pinned,
-                    "held_out": stats.held_out,
-                    "contents": stats.contents,
-                }
+                slots[model.model_id] = stats
         active = tuple(
             ActiveOp(job.model_id, job.kind) for g in self._groups.values() for job in g.active
         )

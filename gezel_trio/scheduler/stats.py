@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gezel_trio.scheduler.slots import SlotTableStats
 from gezel_trio.sessions import session_hash
 
 __all__ = ["ActiveOp", "SchedulerStats", "hash_session"]
@@ -32,7 +33,7 @@ class SchedulerStats:
     active_ops: tuple[ActiveOp, ...]
     loading: tuple[str, ...]
     slot_owners: dict[str, dict[int, str | None]]  # model -> slot -> hashed session|None
-    slots: dict[str, dict[str, object]]  # model -> its slot table (contents, pins, held out)
+    slots: dict[str, SlotTableStats]  # model -> its slot table (contents, pins, held out)
     erases: dict[str, int]  # ok, failed, skipped_same_session, after_keyless
     parking: dict[str, int]  # saved, save_skipped_current, restored, failed, saved_idle,
     # handoffs, handoff_calls (upstream calls of those handoffs, their requests included)
@@ -69,7 +70,16 @@ class SchedulerStats:
                 model: {str(slot): owner for slot, owner in owners.items()}
                 for model, owners in self.slot_owners.items()
             },
-            "slots": {model: dict(table) for model, table in self.slots.items()},
+            "slots": {
+                model: {
+                    "generation": table.generation,
+                    "slots": table.slots,
+                    "pinned": table.pinned,
+                    "held_out": table.held_out,
+                    "contents": dict(table.contents),
+                }
+                for model, table in self.slots.items()
+            },
             "erases": dict(self.erases),
             "parking": dict(self.parking),
             "pool": dict(self.pool),
