@@ -30,7 +30,8 @@ Reads come from an in-memory mirror of the index (the request path never
 waits on SQLite); writes run in a worker thread and update the mirror once
 they are on disk, so the mirror never claims a file the database does not.
 A write is not abandoned on cancellation (``trio.to_thread.run_sync`` waits
-for its thread), so the two cannot diverge.
+for its thread), so the two cannot diverge; once an entry's row is deleted, its
+file is deleted too, cancelled or not (shielded).
 
 Each save goes to a new file name; the previous file of that session is
 deleted only once the index points at the new one. A save cut short leaves at
@@ -76,6 +77,9 @@ log = logging.getLogger("gezel_trio.kvstore")
 FILE_PATTERN = re.compile(r"kv-[0-9a-f]{16}-[0-9a-f]{12}\.bin")
 """The names the store gives its files; only such files are ever deleted as orphans
 (a user's ``--slot-save-path`` may hold other files)."""
+
+UNLINK_TIMEOUT = 30.0
+"""The deadline of the shield under which the files of dropped entries are deleted."""
 
 DEFAULT_BUDGET_CAP = 32 * 1024**3
 """The default budget is a quarter of the state dir's free space, at most this."""
@@ -481,13 +485,17 @@ class KvStore:
         for e in replaced:
             self._forget(e)
         self._index(entry)
-        evicted = self._over_budget()
-        if evicted:
-            await trio.to_thread.run_sync(self._delete_rows_sync, evicted)
-            for e in evicted:
-                self._forget(e)
-                self.model_stats(e.model).evicted += 1
-        await trio.to_thread.run_sync(self._unlink_sync, replaced + evicted)
+        gone = list(replaced)  # their rows are deleted: their files go, cancelled or not
+        try:
+            evicted = self._over_budget()
+            if evicted:
+                await trio.to_thread.run_sync(self._delete_rows_sync, evicted)
+                for e in evicted:
+                    self._forget(e)
+                    self.model_stats(e.model).evicted += 1
+                gone += evicted
+        finally:
+            await self._unlink(gone)
         return evicted
 
     async def touch(self, model: str, session: str, file: str | None = None) -> None:
@@ -509,7 +517,7 @@ class KvStore:
         await trio.to_thread.run_sync(self._delete_rows_sync, doomed)
         for e in doomed:
             self._forget(e)
-        await trio.to_thread.run_sync(self._unlink_sync, doomed)
+        await self._unlink(doomed)
 
     def discard_file(self, model: str, name: str) -> None:
         """Delete a file no entry points at (a save whose indexing failed)."""
@@ -534,6 +542,16 @@ class KvStore:
             del found[entry.file]
             if not found:
                 del self._entries[key]
+
+    async def _unlink(self, entries: list[KvEntry]) -> None:
+        """Delete the files of ``entries``, whose rows are gone, even when the caller is
+        cancelled: a row deleted without its file would leave a file nothing lists until
+        the next start (``to_thread.run_sync`` checks for cancellation before it starts
+        its thread; once started, the thread is waited for anyway)."""
+        if not entries:
+            return
+        with trio.move_on_after(UNLINK_TIMEOUT, shield=True):
+            await trio.to_thread.run_sync(self._unlink_sync, entries)
 
     def _delete_soon(self, entries: list[KvEntry]) -> None:
         """Delete rows and files now, synchronously (small: one row, one unlink)."""

@@ -382,7 +382,11 @@ async def test_two_keys_never_share_one_conversation_through_messages(
     tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
 ) -> None:
     """One Claude Code session name sent with two API keys, on an engine of one slot:
-    the second key reads none of the first's KV, and the first keeps its cache."""
+    the second key reads none of the first's KV, and the first keeps its cache.
+
+    Each turn continues the last one message by message, as a client's conversation
+    does: parked copies are matched by their message blocks (``KvStore.find``), so a
+    turn that rewrote its one message would be another conversation of the owner."""
     cfg = make_config(
         [ModelConfig(id="tiny", path=str(tiny_model), parallel=1, ctx_per_slot=1024)],
         state_dir=state_dir,
@@ -390,25 +394,36 @@ async def test_two_keys_never_share_one_conversation_through_messages(
         server={"api_keys": [KEY, OTHER_KEY]},
     )
     conversation = "the model token hello world slot engine cache prompt chat answer"
+    first_turn = [{"role": "user", "content": conversation}]
+    second_turn = [
+        *first_turn,
+        {"role": "assistant", "content": "slot engine"},
+        {"role": "user", "content": "question"},
+    ]
+    third_turn = [
+        *second_turn,
+        {"role": "assistant", "content": "cache prompt"},
+        {"role": "user", "content": "request"},
+    ]
     with trio.fail_after(120):
         async with running(cfg) as (_, http):
             base = str(http.base_url).rstrip("/")
 
-            def cached(key: str, text: str) -> int:
+            def cached(key: str, messages: list[Any]) -> int:
                 message = _anthropic(base, key).messages.create(
                     model="tiny",
                     max_tokens=2,
-                    messages=[{"role": "user", "content": text}],
+                    messages=messages,
                     extra_headers={"X-Claude-Code-Session-Id": "one-session"},
                 )
                 return int(message.usage.cache_read_input_tokens or 0)
 
             def scenario() -> list[int]:
                 return [
-                    cached(KEY, conversation),
-                    cached(KEY, conversation + " question"),
-                    cached(OTHER_KEY, conversation + " question"),
-                    cached(KEY, conversation + " question request"),
+                    cached(KEY, first_turn),
+                    cached(KEY, second_turn),
+                    cached(OTHER_KEY, second_turn),
+                    cached(KEY, third_turn),
                 ]
 
             first, again, other, back = await trio.to_thread.run_sync(scenario)

@@ -24,6 +24,7 @@ from gezel_trio.host import Host
 from gezel_trio.scheduler.slots import Content
 
 from .conftest import make_config, running
+from .fault_tools import wait_until
 
 GIB = 1024**3
 # Token-id prompts with no shared prefix: cached tokens can only come from the session.
@@ -85,6 +86,21 @@ async def _reference(client: httpx.AsyncClient) -> int:
     """The engine's truth: a session's second turn on an engine that kept its slot."""
     assert await _cached(client, REF, "ref") == 0
     return await _cached(client, [*REF, *MORE], "ref")
+
+
+async def _saves_settled(host: Host) -> None:
+    """Wait until no job runs and no background save is in flight. An owner's slot is
+    saved in the background once its job ends (``save_idle_slots``; on one slot a
+    handoff is always likely), and the engine writes the file a moment before the store
+    indexes it. The save begins in the same step as the job's release."""
+    scheduler = host.scheduler
+    assert scheduler is not None
+
+    def settled() -> bool:
+        stats = scheduler.statistics().as_dict()
+        return not stats["running"] and all(t["saving"] == 0 for t in stats["slots"].values())
+
+    await wait_until(settled, within=60, what="background saves settled")
 
 
 def _kv(host: Host, model: str = "tiny") -> dict[str, Any]:
@@ -213,6 +229,7 @@ async def test_an_incompatible_file_is_dropped_not_restored(
             stats = _kv(host)
             assert stats["dropped_incompatible"] == 1 and stats["restores"] == 0
             assert stats["hits"] == 0
+            await _saves_settled(host)  # the new copy, saved once its request ended
             files = list(kv.dirs["tiny"].iterdir())
             assert [f.name for f in files] == [e.file for e in kv.sessions()]  # only the new one
 

@@ -270,3 +270,46 @@ async def test_an_index_of_one_copy_per_session_is_carried_over(tmp_path: Path) 
     entry = store.find("a", "s1", COMPAT, ctx_per_slot=1024, prefix=(1,))
     assert entry is not None and entry.blocks == () and entry.caller == "me"
     assert _open(tmp_path).entry("a", "s1") is not None  # migrated once, kept
+
+
+async def test_cancellation_while_a_copy_is_indexed_or_dropped_leaves_no_file(
+    tmp_path: Path,
+) -> None:
+    """Cancellation that lands while a save is being indexed (the write is not
+    abandoned), or while a drop deletes its rows, still deletes the files of the rows
+    that went: a replaced or dropped copy leaves no file that nothing lists."""
+    store = _open(tmp_path)
+    await _copy(store, "s1", (1,))  # the conversation's earlier turn
+    token = trio.lowlevel.current_trio_token()
+    real_put, real_delete = store._put_sync, store._delete_rows_sync
+    name = store.new_file_name("s1")
+    (store.dirs["a"] / name).write_bytes(b"x" * 100)
+    now = time.time()
+    longer = KvEntry("a", "s1", "caller-1", name, COMPAT, 60, 100, now, now, (1, 2))
+
+    with trio.CancelScope() as scope:
+
+        def put_then_cancel(*args: object) -> None:
+            real_put(*args)  # type: ignore[arg-type]
+            trio.from_thread.run_sync(scope.cancel, trio_token=token)
+
+        store._put_sync = put_then_cancel  # type: ignore[method-assign]
+        await store.put(longer)  # replaces old (a conversation's later turn)
+        await trio.lowlevel.checkpoint()
+    assert scope.cancelled_caught
+    assert store.copies("a", "s1") == [longer]
+    assert {p.name for p in store.dirs["a"].iterdir()} == {longer.file}  # the earlier's went
+    assert [e.file for e in _open(tmp_path).sessions()] == [longer.file]  # (deletes orphans)
+
+    with trio.CancelScope() as scope:
+
+        def delete_then_cancel(*args: object) -> None:
+            real_delete(*args)  # type: ignore[arg-type]
+            trio.from_thread.run_sync(scope.cancel, trio_token=token)
+
+        store._delete_rows_sync = delete_then_cancel  # type: ignore[method-assign]
+        await store.drop([longer])
+        await trio.lowlevel.checkpoint()
+    assert scope.cancelled_caught
+    assert store.sessions() == [] and list(store.dirs["a"].iterdir()) == []
+    assert _open(tmp_path).sessions() == []

@@ -342,32 +342,34 @@ class Scheduler:
     def _release(self, job: _TrioJob) -> None:
         """The caller's block is over (or never started): settle the job. Synchronous,
         so cancellation cannot interrupt it. A blind job's slot is erased later, once
-        it has stayed idle; an owner's is saved then (``save_idle_slots``)."""
+        it has stayed idle; an owner's is saved then (``save_idle_slots``). A save that
+        starts at once takes its engine hold before the job's is dropped: the engine
+        never looks idle between the two."""
         if job.state is not JobState.RUNNING:
             return
         self._running.discard(job)
         policy = self._policy
         policy.settle(job, now=trio.current_time())
-        self._drop_hold(job)
-        slot = job.slot_id
-        lane = self._lanes.get(job.model_id)
-        if (
-            job.ran
-            and slot is not None
-            and lane is not None
-            and self._nursery is not None
-            and not self._closed
-        ):
-            table = policy.table_of(job)
-            if slot < len(table):
-                released = table.slots[slot].released
-                maintenance = self._maintenance
-                if job.session is None:
-                    self._nursery.start_soon(maintenance.erase_when_idle, job, lane, released)
-                elif self.settings.save_idle_slots and maintenance.parking(lane):
-                    self._nursery.start_soon(
-                        maintenance.save_when_idle, job.model_id, lane, slot, released
-                    )
+        try:
+            slot = job.slot_id
+            lane = self._lanes.get(job.model_id)
+            if (
+                job.ran
+                and slot is not None
+                and lane is not None
+                and self._nursery is not None
+                and not self._closed
+            ):
+                table = policy.table_of(job)
+                if slot < len(table):
+                    released = table.slots[slot].released
+                    maintenance = self._maintenance
+                    if job.session is None:
+                        self._nursery.start_soon(maintenance.erase_when_idle, job, lane, released)
+                    elif self.settings.save_idle_slots and maintenance.parking(lane):
+                        maintenance.save_soon(self._nursery, job.model_id, lane, slot, released)
+        finally:
+            self._drop_hold(job)
         self._wake()
 
     @staticmethod

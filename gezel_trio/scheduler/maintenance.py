@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import trio
 
 from gezel_trio.scheduler.lanes import EngineLane, ParkingLane
 from gezel_trio.scheduler.policy import SchedulerPolicy
+from gezel_trio.scheduler.prefix import Prefix
 from gezel_trio.scheduler.settings import SchedulerSettings
 from gezel_trio.scheduler.slots import Content
 from gezel_trio.scheduler.trio_job import _TrioJob
@@ -42,6 +44,21 @@ class _Cleanup:
 
     model_id: str
     slot: int
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class _IdleSave:
+    """A background save begun (:meth:`SlotMaintenance._begin_idle_save`): the slot is
+    marked with ``mark``, the engine held by ``hold``, waiters wait on ``done``."""
+
+    model_id: str
+    lane: EngineLane
+    slot: int
+    session: str
+    blocks: Prefix
+    mark: _Cleanup
+    hold: AbstractContextManager[object]
+    done: trio.Event
 
 
 class SlotMaintenance:
@@ -226,6 +243,26 @@ class SlotMaintenance:
             self._policy.table_of(job).unpin(slot, cleanup)
             self._wake()
 
+    def save_soon(
+        self, nursery: trio.Nursery, model_id: str, lane: EngineLane, slot: int, released: int
+    ) -> None:
+        """Save the KV an owner's job left in ``slot`` in the background (see
+        :meth:`save_when_idle`). Without ``save_idle_delay`` the save is decided, marked
+        and holds the engine now, in the same step as the job's release (the caller's),
+        so that between the job and its save the slot never looks unmarked nor the engine
+        idle; its I/O then runs in ``nursery``."""
+        if self.settings.save_idle_delay > 0:
+            nursery.start_soon(self.save_when_idle, model_id, lane, slot, released)
+            return
+        save = self._begin_idle_save(model_id, lane, slot, released)
+        if save is None:
+            return
+        try:
+            nursery.start_soon(self._run_idle_save, save)
+        except BaseException:
+            self._end_idle_save(save, tokens=None)
+            raise
+
     async def save_when_idle(
         self, model_id: str, lane: EngineLane, slot: int, released: int
     ) -> None:
@@ -240,6 +277,15 @@ class SlotMaintenance:
         (:meth:`ModelRuntime.park_slot
         <gezel_trio.host.runtime.ModelRuntime.park_slot>`)."""
         await trio.sleep(self.settings.save_idle_delay)
+        save = self._begin_idle_save(model_id, lane, slot, released)
+        if save is not None:
+            await self._run_idle_save(save)
+
+    def _begin_idle_save(
+        self, model_id: str, lane: EngineLane, slot: int, released: int
+    ) -> _IdleSave | None:
+        """Decide whether to save ``slot`` now (no I/O); if so, mark it as being saved,
+        hold the engine and register the save (ended by :meth:`_end_idle_save`)."""
         table = self._policy.table(model_id)
         if (
             not self.parking(lane)
@@ -247,33 +293,51 @@ class SlotMaintenance:
             or slot >= len(table)
             or table.slots[slot].released != released
         ):
-            return  # used again since (or made fresh by a restart)
+            return None  # used again since (or made fresh by a restart)
         assert isinstance(lane, ParkingLane)
         entry = table.slots[slot]
         if entry.parked_current and lane.is_current(entry.session or "", entry.blocks):
-            return
+            return None
         if not (table.handoff_likely(slot) or self._policy.others_waiting(model_id, entry.session)):
-            return  # a lone owner with clean slots to spare: its handoff may never come
+            return None  # a lone owner with clean slots to spare: its handoff may never come
         mark = _Cleanup(model_id, slot)
         session = table.begin_save(slot, mark)
         if session is None:
-            return
-        blocks = entry.blocks
-        self._saves[(model_id, slot)] = done = trio.Event()
+            return None
+        hold = lane.hold()
+        hold.__enter__()
+        done = trio.Event()
+        self._saves[(model_id, slot)] = done
+        return _IdleSave(model_id, lane, slot, session, entry.blocks, mark, hold, done)
+
+    async def _run_idle_save(self, save: _IdleSave) -> None:
+        """The I/O of a save begun by :meth:`_begin_idle_save` (within ``park_timeout``)."""
         tokens: int | None = None
         try:
-            with lane.hold(), trio.move_on_after(self.settings.park_timeout):
+            assert isinstance(save.lane, ParkingLane)
+            with trio.move_on_after(self.settings.park_timeout):
                 try:
-                    tokens = await lane.park_slot(slot, session, blocks)
+                    tokens = await save.lane.park_slot(save.slot, save.session, save.blocks)
                 except Exception as exc:
-                    log.warning("saving idle %s slot %d failed: %r", model_id, slot, exc)
+                    log.warning("saving idle %s slot %d failed: %r", save.model_id, save.slot, exc)
         finally:
-            self._policy.table(model_id).end_save(slot, mark, session, tokens=tokens)
+            self._end_idle_save(save, tokens=tokens)
+
+    def _end_idle_save(self, save: _IdleSave, *, tokens: int | None) -> None:
+        """Record the end of ``save`` (``tokens`` None: failed, cut or never run) and
+        release its mark, its engine hold and its waiters."""
+        key = (save.model_id, save.slot)
+        try:
+            self._policy.table(save.model_id).end_save(
+                save.slot, save.mark, save.session, tokens=tokens
+            )
             if tokens is None:
                 self._policy.note_park(ok=False, idle=True)
             elif tokens:
                 self._policy.note_park(ok=True, idle=True)
-            if self._saves.get((model_id, slot)) is done:
-                del self._saves[(model_id, slot)]
-            done.set()
+        finally:
+            if self._saves.get(key) is save.done:
+                del self._saves[key]
+            save.done.set()
+            save.hold.__exit__(None, None, None)
             self._wake()

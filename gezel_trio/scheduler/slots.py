@@ -166,6 +166,7 @@ class SlotTableStats:
     slots: int
     pinned: int
     held_out: int
+    saving: int  # slots a background save is in flight on
     contents: dict[str, int]
     owners: dict[int, str | None]  # slot -> hashed session (None: a keyless job's KV)
 
@@ -533,6 +534,7 @@ class SlotTable:
             slots=len(self.slots),
             pinned=sum(1 for s in self.slots if s.pin is not None),
             held_out=sum(1 for s in self.slots if s.held_out),
+            saving=sum(1 for s in self.slots if s.saving is not None),
             contents=contents,
             owners=owners,
         )

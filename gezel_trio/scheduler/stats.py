@@ -33,7 +33,8 @@ class SchedulerStats:
     active_ops: tuple[ActiveOp, ...]
     loading: tuple[str, ...]
     slot_owners: dict[str, dict[int, str | None]]  # model -> slot -> hashed session|None
-    slots: dict[str, SlotTableStats]  # model -> its slot table (contents, pins, held out)
+    slots: dict[str, SlotTableStats]  # model -> its slot table (contents, pins, held out,
+    # background saves in flight)
     erases: dict[str, int]  # ok, failed, skipped_same_session, after_keyless
     parking: dict[str, int]  # saved, save_skipped_current, restored, failed, saved_idle,
     # handoffs, handoff_calls (upstream calls of those handoffs, their requests included)
@@ -76,6 +77,7 @@ class SchedulerStats:
                     "slots": table.slots,
                     "pinned": table.pinned,
                     "held_out": table.held_out,
+                    "saving": table.saving,
                     "contents": dict(table.contents),
                 }
                 for model, table in self.slots.items()
