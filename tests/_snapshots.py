@@ -19,9 +19,9 @@ from gezel_trio.host.snapshot import (
     ModelStats,
     ReplicaSetStats,
 )
-from gezel_trio.replicas import MemberPrefixStats, ReplicaStats
+from gezel_trio.kv.prefix_index import PrefixIndexStats
 from gezel_trio.scheduler import SchedulerStats
-from gezel_trio.scheduler.prefix_index import PrefixIndexStats
+from gezel_trio.scheduler.replicas import MemberPrefixStats, ReplicaStats
 
 
 def scheduler(**fields: Any) -> SchedulerStats:

@@ -17,7 +17,7 @@ import trio
 
 from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
-from gezel_trio.sessions import session_hash
+from gezel_trio.kv.sessions import session_hash
 
 from .conftest import make_config, running
 

@@ -27,18 +27,18 @@ from gezel_trio.config.schema import ModelConfig, apply_env, config_from_mapping
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.errors import ConfigError
 from gezel_trio.host import Host, open_host
-from gezel_trio.scheduler.admission import Admit, Load, choose_slot
-from gezel_trio.scheduler.policy import SchedulerPolicy
-from gezel_trio.scheduler.prefix import (
+from gezel_trio.kv.prefix import (
     MAX_BLOCKS,
     Prefix,
     is_prefix,
     prefix_blocks,
     shared_blocks,
 )
+from gezel_trio.kv.sessions import SessionKeys
+from gezel_trio.scheduler.admission import Admit, Load, choose_slot
+from gezel_trio.scheduler.policy import SchedulerPolicy
 from gezel_trio.scheduler.queues import Job
 from gezel_trio.scheduler.slots import Content, Preparation, SlotTable
-from gezel_trio.sessions import SessionKeys
 
 from .conftest import make_config
 from .test_slot_table import SlotTableMachine

@@ -10,7 +10,7 @@ import trio
 import trio.lowlevel
 
 from gezel_trio.engine.argv import kv_shape_flags
-from gezel_trio.kvstore import FILE_PATTERN, KvCompat, KvEntry, KvStore
+from gezel_trio.kv.store import FILE_PATTERN, KvCompat, KvEntry, KvStore
 
 COMPAT = KvCompat(model_file="/m/tiny.gguf|100|1", build="b1", kv_flags=kv_shape_flags([]))
 

@@ -14,8 +14,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from gezel_trio.scheduler.prefix import Prefix, prefix_blocks, shared_blocks
-from gezel_trio.scheduler.prefix_index import PrefixIndex
+from gezel_trio.kv.prefix import Prefix, prefix_blocks, shared_blocks
+from gezel_trio.kv.prefix_index import PrefixIndex
 
 OWNERS = ("alice", "bob", "carol")
 PLACES = tuple(range(8))

@@ -14,7 +14,7 @@ import trio
 from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.supervisor import EngineState
-from gezel_trio.replicas import MemberView, ReplicaRouter, expand_replicas
+from gezel_trio.scheduler.replicas import MemberView, ReplicaRouter, expand_replicas
 
 from ._engine_bin import llama_server_command, open_llama_server, run_llama_server
 from .conftest import make_config, running

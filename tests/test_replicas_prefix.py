@@ -11,8 +11,8 @@ import trio
 from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.host.metrics import _replica_families
-from gezel_trio.replicas import KvPlace, MemberPrefixStats, MemberView, ReplicaRouter
-from gezel_trio.scheduler.prefix import Prefix, prefix_blocks
+from gezel_trio.kv.prefix import Prefix, prefix_blocks
+from gezel_trio.scheduler.replicas import KvPlace, MemberPrefixStats, MemberView, ReplicaRouter
 
 from . import _snapshots as snapshots
 from .conftest import make_config, running

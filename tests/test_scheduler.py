@@ -21,6 +21,7 @@ import trio
 import trio.testing
 
 from gezel_trio.errors import EngineFailed, EngineStopped, QueueFull, UnknownModel
+from gezel_trio.kv.prefix import Prefix
 from gezel_trio.scheduler import (
     ActiveOp,
     Grant,
@@ -32,7 +33,6 @@ from gezel_trio.scheduler import (
     hash_session,
     open_scheduler,
 )
-from gezel_trio.scheduler.prefix import Prefix
 from gezel_trio.scheduler.slots import Content
 
 # --------------------------------------------------------------------------- fake engine

@@ -27,7 +27,7 @@ from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.supervisor import default_slot_save_dir
 from gezel_trio.host import Host
-from gezel_trio.sessions import (
+from gezel_trio.kv.sessions import (
     KEY_FILE,
     SECRET_BYTES,
     SessionKeys,
@@ -135,7 +135,7 @@ def test_a_corrupt_secret_is_replaced_with_a_warning(
 ) -> None:
     path = tmp_path / KEY_FILE
     path.write_bytes(content)
-    with caplog.at_level(logging.WARNING, logger="gezel_trio.sessions"):
+    with caplog.at_level(logging.WARNING, logger="gezel_trio.kv.sessions"):
         keys = SessionKeys.load(tmp_path)
     assert any("replacing it" in r.getMessage() for r in caplog.records)
     assert len(path.read_bytes()) == SECRET_BYTES
@@ -150,7 +150,7 @@ def test_a_secret_readable_by_others_is_made_private(
     secret = os.urandom(SECRET_BYTES)
     path.write_bytes(secret)
     path.chmod(0o644)
-    with caplog.at_level(logging.WARNING, logger="gezel_trio.sessions"):
+    with caplog.at_level(logging.WARNING, logger="gezel_trio.kv.sessions"):
         keys = SessionKeys.load(tmp_path)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert any("0600" in r.getMessage() for r in caplog.records)

@@ -29,8 +29,8 @@ from hypothesis.stateful import (
     rule,
 )
 
+from gezel_trio.kv.sessions import session_hash
 from gezel_trio.scheduler.slots import Content, Preparation, SlotTable
-from gezel_trio.sessions import session_hash
 
 
 class Job:
@@ -876,7 +876,7 @@ def _holding(table: SlotTable, slot: int, session: str, blocks: tuple[int, ...])
 
 
 def test_an_owners_slot_holding_another_of_its_conversations_parks_it_and_restores() -> None:
-    from gezel_trio.scheduler.prefix import shared_blocks
+    from gezel_trio.kv.prefix import shared_blocks
 
     table = SlotTable(1, generation=1)
     _holding(table, 0, "agent", (1, 2, 3))  # the main agent's conversation

@@ -37,8 +37,8 @@ from ..engine.sse import data_payloads
 from ..errors import EngineCrashed, EngineFailed, GezelError
 from ..host import Host, ModelRuntime
 from ..host.completion import Completion, EngineAnswer, Item, Owner, StreamJob
+from ..kv.sessions import session_hash
 from ..scheduler import Grant
-from ..sessions import session_hash
 from .errors import response_for
 from .exchange import Counts, current_exchange
 from .metrics_endpoint import token_counts

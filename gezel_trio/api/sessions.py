@@ -18,7 +18,7 @@ from quart import Blueprint, Response, current_app, g
 
 from ..errors import SessionBusy, SessionNotFound
 from ..host import Host
-from ..sessions import session_hash
+from ..kv.sessions import session_hash
 from .auth import ADMIN_ATTR, CALLER_ATTR, MAX_SESSION_NAME, session_names
 from .errors import json_response
 

@@ -48,9 +48,9 @@ from ..engine.supervisor import default_slot_save_dir, no_reservation, open_engi
 from ..errors import ConfigError
 from ..gpu.arbiter import GpuArbiter
 from ..gpu.ledger import DeviceLedger
-from ..kvstore import KvStore
-from ..replicas import expand_replicas
+from ..kv.store import KvStore
 from ..scheduler import Scheduler
+from ..scheduler.replicas import expand_replicas
 from .calibration import Calibrator, serve_calibration
 from .metrics import Metrics
 from .placement import EngineResolver, argv_builder, engine_timing, reservation_for

@@ -38,8 +38,8 @@ from ..engine.client import UpstreamHead
 from ..engine.sse import SseDecoder
 from ..engine.supervisor import EngineState
 from ..errors import EngineAbandoned, EngineCrashed, EngineFailed, FieldError, GezelError
+from ..kv.sessions import session_hash
 from ..scheduler import Grant, Prefix, prefix_blocks
-from ..sessions import session_hash
 from .runtime import ModelRuntime
 from .snapshot import CompletionStats
 
@@ -131,7 +131,7 @@ TOKEN_BLOCK = 64
 
 
 def prompt_blocks(body: dict[str, Any]) -> Prefix:
-    """The blocks a request's prompt is placed by (see :mod:`gezel_trio.scheduler.prefix`):
+    """The blocks a request's prompt is placed by (see :mod:`gezel_trio.kv.prefix`):
     one per message of a chat (or input item of a Responses request); for a text or
     token prompt, and an infill's extra context and prefix, its *complete* fixed-size
     pieces, so that a prompt that grows keeps every block of the shorter one. ``()``

@@ -49,8 +49,9 @@ from ..gpu.ledger import (
     open_ledger,
 )
 from ..gpu.probe import DeviceHealth, NvmlProbe, Probe
-from ..kvstore import KvStore, default_budget
-from ..replicas import KvPlace, MemberView, ReplicaRouter
+from ..kv.prefix import shared_blocks
+from ..kv.sessions import SessionKeys
+from ..kv.store import KvStore, default_budget
 from ..scheduler import (
     Content,
     Grant,
@@ -61,8 +62,7 @@ from ..scheduler import (
     SlotRequest,
     open_scheduler,
 )
-from ..scheduler.prefix import shared_blocks
-from ..sessions import SessionKeys
+from ..scheduler.replicas import KvPlace, MemberView, ReplicaRouter
 from .activity import Activity
 from .calibration import CalibrationBook, Calibrator, calibrate, serve_calibration
 from .catalog import Catalog, wanted_models
@@ -167,7 +167,7 @@ class Host:
         """The runtime for a request's ``model`` field.
 
         A missing ``model`` picks the first configured model. A replicated model's id
-        picks one of its members for ``session`` (see :mod:`gezel_trio.replicas`),
+        picks one of its members for ``session`` (see :mod:`gezel_trio.scheduler.replicas`),
         never one in ``avoid`` while another is left. Raises :class:`UnknownModel`
         (404) or :class:`ModelLocked` (409, before the request reaches the scheduler).
         """

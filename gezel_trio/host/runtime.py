@@ -33,9 +33,9 @@ from ..engine.supervisor import Engine, EngineState
 from ..errors import EngineFailed, FieldError, GezelError
 from ..gpu.arbiter import GpuArbiter
 from ..gpu.placement import Placement
-from ..kvstore import KvCompat, KvEntry, KvModelStats, KvStore, file_identity
+from ..kv.prefix import Prefix
+from ..kv.store import KvCompat, KvEntry, KvModelStats, KvStore, file_identity
 from ..scheduler.jobs import SlotMeasurement
-from ..scheduler.prefix import Prefix
 from .calibration import CalibrationState
 from .metrics import Metrics
 from .snapshot import ModelStats

@@ -18,9 +18,9 @@ from ..gpu.arbiter import ArbiterStatistics, Policy
 from ..gpu.health import HealthGateStatistics
 from ..gpu.ledger import LedgerStats
 from ..gpu.probe import DeviceHealth
-from ..kvstore import KvParkingStats
-from ..replicas import ReplicaStats
+from ..kv.store import KvParkingStats
 from ..scheduler import SchedulerStats
+from ..scheduler.replicas import ReplicaStats
 
 __all__ = [
     "CompletionStats",

@@ -14,6 +14,7 @@ with :mod:`.settings`, :mod:`.lanes` (what it needs of an engine),
 
 from __future__ import annotations
 
+from gezel_trio.kv.prefix import Prefix, prefix_blocks
 from gezel_trio.scheduler.admission import admission_capacity
 from gezel_trio.scheduler.dispatcher import (
     Scheduler,
@@ -32,7 +33,6 @@ from gezel_trio.scheduler.jobs import (
 )
 from gezel_trio.scheduler.lanes import EngineLane, ParkingLane
 from gezel_trio.scheduler.policy import SchedulerPolicy
-from gezel_trio.scheduler.prefix import Prefix, prefix_blocks
 from gezel_trio.scheduler.settings import SchedulerSettings
 from gezel_trio.scheduler.slots import Content, SlotTable
 from gezel_trio.scheduler.stats import ActiveOp, SchedulerStats, hash_session

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gezel_trio.kv.prefix import Prefix, is_prefix, shared_blocks
 from gezel_trio.scheduler.jobs import SlotMeasurement
 from gezel_trio.scheduler.pool import pool_jobs
-from gezel_trio.scheduler.prefix import Prefix, is_prefix, shared_blocks
 from gezel_trio.scheduler.queues import Job, _Family, _JobDeque, _Model
 from gezel_trio.scheduler.slots import Content, SlotTable
 

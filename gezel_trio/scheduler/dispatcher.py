@@ -42,6 +42,7 @@ from gezel_trio.errors import (
     SchedulerClosed,
     UnknownModel,
 )
+from gezel_trio.kv.prefix import Prefix
 from gezel_trio.scheduler.admission import Admit, Load, RunExclusive
 from gezel_trio.scheduler.jobs import (
     JOB_KINDS,
@@ -54,7 +55,6 @@ from gezel_trio.scheduler.jobs import (
 from gezel_trio.scheduler.lanes import EngineLane
 from gezel_trio.scheduler.maintenance import SlotMaintenance
 from gezel_trio.scheduler.policy import SchedulerPolicy
-from gezel_trio.scheduler.prefix import Prefix
 from gezel_trio.scheduler.preparation import SlotPreparer
 from gezel_trio.scheduler.queues import Job
 from gezel_trio.scheduler.reconcile import Reconciler
@@ -227,10 +227,10 @@ class Scheduler:
 
         ``session`` is the request's owner: a caller's named session, or with
         ``keyless`` the caller's keyless owner
-        (:meth:`~gezel_trio.sessions.SessionKeys.keyless`), whose KV is erased and
+        (:meth:`~gezel_trio.kv.sessions.SessionKeys.keyless`), whose KV is erased and
         never parked when its slot changes owner. ``None`` is a blind keyless job
         (``grant.blind``: sent with ``cache_prompt`` off). ``prefix``: the
-        request's blocks (:func:`~gezel_trio.scheduler.prefix.prefix_blocks`), so
+        request's blocks (:func:`~gezel_trio.kv.prefix.prefix_blocks`), so
         that it goes to its owner's slot it continues; ``()`` when unknown (its
         owner's most recently used free slot).
 

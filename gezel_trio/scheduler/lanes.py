@@ -10,8 +10,8 @@ from typing import Protocol, TypeVar, runtime_checkable
 import trio
 
 from gezel_trio._trio import unwrapping
+from gezel_trio.kv.prefix import Prefix
 from gezel_trio.scheduler.jobs import LaneInfo, SlotMeasurement
-from gezel_trio.scheduler.prefix import Prefix
 
 __all__ = ["EngineLane", "ParkingLane", "unless_failed"]
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import trio
 
+from gezel_trio.kv.prefix import Prefix
 from gezel_trio.scheduler.lanes import EngineLane, ParkingLane
 from gezel_trio.scheduler.policy import SchedulerPolicy
-from gezel_trio.scheduler.prefix import Prefix
 from gezel_trio.scheduler.settings import SchedulerSettings
 from gezel_trio.scheduler.slots import Content
 from gezel_trio.scheduler.trio_job import _TrioJob

@@ -23,11 +23,11 @@ from functools import partial
 import trio
 
 from gezel_trio.errors import EngineCrashed, EngineFailed, GezelError
+from gezel_trio.kv.prefix import Prefix, is_prefix, shared_blocks
 from gezel_trio.scheduler.jobs import Grant
 from gezel_trio.scheduler.lanes import EngineLane, ParkingLane, unless_failed
 from gezel_trio.scheduler.maintenance import SlotMaintenance
 from gezel_trio.scheduler.policy import SchedulerPolicy
-from gezel_trio.scheduler.prefix import Prefix, is_prefix, shared_blocks
 from gezel_trio.scheduler.settings import SchedulerSettings
 from gezel_trio.scheduler.trio_job import _TrioJob
 

@@ -12,8 +12,8 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from gezel_trio.kv.prefix import Prefix
 from gezel_trio.scheduler.jobs import JobKind, JobState, LaneInfo
-from gezel_trio.scheduler.prefix import Prefix
 from gezel_trio.scheduler.slots import SlotTable
 
 __all__ = ["Job", "detach"]

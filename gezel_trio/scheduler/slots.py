@@ -8,7 +8,7 @@ says the slot holds nothing but the job's own owner's KV.
 An *owner* is what the API layer hands the scheduler as a job's ``session``: a
 caller's named session, or (``[scheduler] keyless = "shared"``) the caller's
 *keyless owner*, which all of that caller's keyless requests share
-(:meth:`gezel_trio.sessions.SessionKeys.keyless`). Both are owners like any
+(:meth:`gezel_trio.kv.sessions.SessionKeys.keyless`). Both are owners like any
 other: KV never crosses from one to another, and each is parked and restored
 alike (see :meth:`SlotTable.preparation`). In ``"blind"`` mode a keyless request
 has no owner (``session`` None).
@@ -67,8 +67,8 @@ import enum
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from gezel_trio.scheduler.prefix import Prefix, is_prefix, shared_blocks
-from gezel_trio.sessions import session_hash
+from gezel_trio.kv.prefix import Prefix, is_prefix, shared_blocks
+from gezel_trio.kv.sessions import session_hash
 
 __all__ = ["Content", "Preparation", "SlotEntry", "SlotTable", "SlotTableStats"]
 
@@ -415,7 +415,7 @@ class SlotTable:
     def _saved(self, entry: SlotEntry, session: str) -> None:
         """``session``'s KV in ``entry`` was saved: its parked copy is current, and the
         copies it replaced (those it continues, see :meth:`KvStore.put
-        <gezel_trio.kvstore.KvStore.put>`) are no longer any other slot's."""
+        <gezel_trio.kv.store.KvStore.put>`) are no longer any other slot's."""
         if entry.content is Content.OWNED and entry.session == session:
             for other in self.slots:
                 if other.session == session and (

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gezel_trio.kv.sessions import session_hash
 from gezel_trio.scheduler.slots import SlotTableStats
-from gezel_trio.sessions import session_hash
 
 __all__ = ["ActiveOp", "SchedulerStats", "hash_session"]
 
@@ -99,5 +99,5 @@ class SchedulerStats:
 
 def hash_session(session: str) -> str:
     """The form a session takes in stats and logs: a prefix of its caller-scoped HMAC
-    (see :mod:`gezel_trio.sessions`), never a name or a key."""
+    (see :mod:`gezel_trio.kv.sessions`), never a name or a key."""
     return session_hash(session) or ""

@@ -30,7 +30,7 @@ import collections
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
-from gezel_trio.scheduler.prefix import MAX_BLOCKS, Prefix
+from gezel_trio.kv.prefix import MAX_BLOCKS, Prefix
 
 __all__ = ["PrefixIndex", "PrefixIndexStats"]
 

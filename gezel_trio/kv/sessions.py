@@ -34,10 +34,10 @@ import secrets
 import stat
 from pathlib import Path
 
-from .config.schema import KeylessMode
-from .errors import ConfigError
+from ..config.schema import KeylessMode
+from ..errors import ConfigError
 
-log = logging.getLogger("gezel_trio.sessions")
+log = logging.getLogger("gezel_trio.kv.sessions")
 
 __all__ = [
     "KEY_FILE",

@@ -10,7 +10,7 @@ that saved it, and the host process too.
 An owner (a named session, a caller's keyless owner, a keyless conversation) may
 hold several conversations at once: an agent and its sub-agents under one
 session id, or a caller's keyless chats. Each parked *copy* records the prefix
-blocks of what it holds (:mod:`gezel_trio.scheduler.prefix`), and
+blocks of what it holds (:mod:`gezel_trio.kv.prefix`), and
 :meth:`KvStore.find` picks the owner's copy that shares the longest prefix with
 a request. A new save replaces the owner's copies it continues (their blocks are
 a prefix of its own), so one conversation keeps one copy; an owner keeps at most
@@ -58,7 +58,7 @@ from pathlib import Path
 
 import trio
 
-from .scheduler.prefix import Prefix, is_prefix, shared_blocks
+from .prefix import Prefix, is_prefix, shared_blocks
 from .sessions import session_hash
 
 __all__ = [
@@ -72,7 +72,7 @@ __all__ = [
     "default_budget",
 ]
 
-log = logging.getLogger("gezel_trio.kvstore")
+log = logging.getLogger("gezel_trio.kv.store")
 
 FILE_PATTERN = re.compile(r"kv-[0-9a-f]{16}-[0-9a-f]{12}\.bin")
 """The names the store gives its files; only such files are ever deleted as orphans

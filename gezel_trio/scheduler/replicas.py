@@ -16,7 +16,7 @@ public id names the set: requests for it are routed to one member by
 - then, once the request's prefix blocks are known (:meth:`ReplicaRouter.by_prefix`), a
   request of an owner (a named session or a caller's keyless owner) goes to the member
   holding the longest prefix of it among the owner's KV, in a slot or parked (the
-  router's :class:`~gezel_trio.scheduler.prefix_index.PrefixIndex`, recorded as each
+  router's :class:`~gezel_trio.kv.prefix_index.PrefixIndex`, recorded as each
   request completes), unless that member's load exceeds the least-loaded member's by
   more than ``[scheduler] prefix_load_bound`` (then the least loaded: ``shed``). This is
   the cache-aware routing of SGLang's router, scoped by owner. With no prefix held
@@ -39,9 +39,9 @@ import dataclasses
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .config.schema import ModelConfig
-from .scheduler.prefix import Prefix
-from .scheduler.prefix_index import PrefixIndex, PrefixIndexStats
+from ..config.schema import ModelConfig
+from ..kv.prefix import Prefix
+from ..kv.prefix_index import PrefixIndex, PrefixIndexStats
 
 __all__ = [
     "KvPlace",
