@@ -4,12 +4,14 @@
 pinning), over :mod:`.jobs` (the values), :mod:`.queues` (queued jobs and their
 deques), :mod:`.admission` (turns, capacity, slot choice), :mod:`.pool` (the
 replica pool) and :mod:`.stats`; :mod:`.slots` the slot table (what each slot
-holds, who owns and who is pinned to it); :mod:`.prefix` a request's prefix blocks
-(placement within an owner). :mod:`.dispatcher` is the Trio layer
+holds, who owns and who is pinned to it); :mod:`.replicas` the replica router
+(which member a request goes to, no I/O). :mod:`.dispatcher` is the Trio layer
 (:func:`open_scheduler`, ``async with scheduler.slot(...)``, the dispatch pass),
 with :mod:`.settings`, :mod:`.lanes` (what it needs of an engine),
-:mod:`.preparation` (park, restore or erase before a job), :mod:`.maintenance`
-(slot work off the critical path) and :mod:`.reconcile` (``/slots`` samples).
+:mod:`.trio_job` (a job with its Trio events), :mod:`.preparation` (park, restore
+or erase before a job), :mod:`.maintenance` (slot work off the critical path) and
+:mod:`.reconcile` (``/slots`` samples). A request's prefix blocks, which place it
+within its owner, come from :mod:`gezel_trio.kv.prefix`.
 """
 
 from __future__ import annotations
