@@ -27,8 +27,10 @@ from gezel_trio.config.schema import ModelConfig, apply_env, config_from_mapping
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.errors import ConfigError
 from gezel_trio.host import Host, open_host
+from gezel_trio.host.completion import TEXT_BLOCK_CHARS, prompt_blocks
 from gezel_trio.kv.prefix import (
     MAX_BLOCKS,
+    Header,
     Prefix,
     is_prefix,
     prefix_blocks,
@@ -106,6 +108,121 @@ def test_prefix_blocks_chain_every_block_before() -> None:
     assert is_prefix(a[:2], a) and is_prefix(a, a) and not is_prefix(a, a[:2])
     assert not is_prefix((), a) and not is_prefix(b[:3], a)
     assert len(prefix_blocks(["x"] * (MAX_BLOCKS + 5))) == MAX_BLOCKS
+
+
+def _chat(*contents: object, role: str = "user") -> dict[str, Any]:
+    """A chat body: a system prompt, then ``contents`` alternating ``role`` and assistant."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}]
+    for i, content in enumerate(contents):
+        messages.append({"role": role if i % 2 == 0 else "assistant", "content": content})
+    return {"model": "m", "messages": messages}
+
+
+# 2 complete pieces and a rest; a character outside the BMP and one of each block tag
+LONG = "".join(f"{i:04d} \U0001f98a \x00\x01 fox. " for i in range(40))[: 2 * 256 + 90]
+
+
+def test_prompt_blocks_of_identical_requests_are_identical() -> None:
+    a = prompt_blocks(_chat(LONG, "ok", "more"))
+    assert a == prompt_blocks(_chat(LONG, "ok", "more"))
+    assert a == prompt_blocks({"messages": _chat(LONG, "ok", "more")["messages"], "stream": True})
+    assert len(a) == 2 + (1 + 2 + 1) + 2 + 2  # headers, pieces and rests
+    assert prompt_blocks(_chat(LONG)) != prompt_blocks(_chat(LONG, role="tool"))
+    assert prompt_blocks({"model": "m"}) == ()
+
+
+def test_a_request_continuing_another_message_by_message_has_its_blocks_as_a_prefix() -> None:
+    turn1 = prompt_blocks(_chat(LONG))
+    turn2 = prompt_blocks(_chat(LONG, "Noted.", "Now the next part."))
+    assert is_prefix(turn1, turn2) and shared_blocks(turn1, turn2) == len(turn1)
+    # the rest block of the unchanged message is the same block in both
+    assert turn2[len(turn1) - 1] == turn1[-1]
+    assert len(LONG) % TEXT_BLOCK_CHARS  # (LONG has a rest)
+    # the same for a Responses request's input items
+    items = [{"type": "message", "role": "user", "content": LONG}]
+    more = [*items, {"type": "function_call", "name": "f", "arguments": "{}"}]
+    r1 = prompt_blocks({"instructions": "Be brief.", "input": items})
+    assert is_prefix(r1, prompt_blocks({"instructions": "Be brief.", "input": more}))
+
+
+def test_a_grown_last_message_shares_its_header_and_complete_pieces_but_is_no_prefix() -> None:
+    pieces = len(LONG) // TEXT_BLOCK_CHARS
+    for grown in (LONG + " and then some", LONG + "x" * 1000):
+        short, long = prompt_blocks(_chat(LONG)), prompt_blocks(_chat(grown))
+        # the system message (header, rest), the user header and its complete pieces
+        assert shared_blocks(short, long) >= 2 + 1 + pieces
+        assert shared_blocks(short, long) == len(short) - 1  # all but the rest
+        assert not is_prefix(short, long)
+    # one message that grows turn after turn, alone in its request
+    transcript = [LONG[: n * 100] for n in range(1, 6)]
+    blocks = [prompt_blocks({"messages": [{"role": "user", "content": t}]}) for t in transcript]
+    for before, after, text in zip(blocks, blocks[1:], transcript, strict=False):
+        assert shared_blocks(before, after) == (
+            1 + len(text) // TEXT_BLOCK_CHARS if len(text) >= TEXT_BLOCK_CHARS else 0
+        )  # a header alone is no share (below)
+
+
+def test_content_parts_piece_their_text_and_keep_other_parts_whole() -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 900}}
+
+    def parts(text: str, img: dict[str, Any] = image) -> dict[str, Any]:
+        return _chat([{"type": "text", "text": text}, img, {"type": "text", "text": "Why?"}])
+
+    base = prompt_blocks(parts(LONG))
+    pieces = len(LONG) // TEXT_BLOCK_CHARS
+    # system (2), user header, text part header, pieces, rest, image, part header, rest
+    assert len(base) == 2 + 1 + 1 + pieces + 1 + 1 + 1 + 1
+    assert base == prompt_blocks(parts(LONG))
+    grown = prompt_blocks(parts(LONG + "!"))
+    assert shared_blocks(base, grown) == 2 + 1 + 1 + pieces and not is_prefix(base, grown)
+    other_image = {**image, "image_url": {"url": "data:image/png;base64," + "B" * 900}}
+    changed = prompt_blocks(parts(LONG, other_image))
+    assert shared_blocks(base, changed) == 2 + 1 + 1 + pieces + 1  # up to the image
+    # a part's other fields are in its header; a string and its one text part differ
+    cached = _chat([{"type": "text", "text": LONG, "cache_control": {"type": "ephemeral"}}])
+    assert shared_blocks(prompt_blocks(cached), base) == 3
+    assert prompt_blocks(_chat(LONG)) != prompt_blocks(_chat([{"type": "text", "text": LONG}]))
+
+
+def test_a_boundary_between_messages_is_never_one_between_pieces() -> None:
+    whole = "y" * TEXT_BLOCK_CHARS
+    one = prompt_blocks({"messages": [{"role": "user", "content": whole + "z"}]})
+    two = prompt_blocks(
+        {"messages": [{"role": "user", "content": whole}, {"role": "user", "content": "z"}]}
+    )
+    assert len(one) == 3 and len(two) == 5  # header, piece, rest (+ header, rest)
+    assert shared_blocks(one, two) == 2 and one[2] != two[2]
+    # a text that looks like a header, or an empty rest, is still a piece of its message
+    header = '\x00{"role":"user"}'
+    fake = prompt_blocks({"messages": [{"role": "user", "content": whole + header + "z"}]})
+    real = prompt_blocks(
+        {"messages": [{"role": "user", "content": whole}, {"role": "user", "content": "z"}]}
+    )
+    assert not set(fake[2:]) & set(real[2:])
+    # headers are marked, every other block is not
+    assert [v & 1 for v in two] == [1, 0, 0, 1, 0]
+    text = prompt_blocks({"prompt": "p" * 3 * TEXT_BLOCK_CHARS})
+    assert len(text) == 3 and not any(v & 1 for v in text)
+
+
+def test_sharing_only_headers_is_sharing_nothing() -> None:
+    """Every chat that opens with a user message shares its header block; that is no
+    shared conversation (a parked copy of another one is not restored for it)."""
+    a = prompt_blocks({"messages": [{"role": "user", "content": "Hello there."}]})
+    b = prompt_blocks({"messages": [{"role": "user", "content": "Something else."}]})
+    assert a[0] == b[0] and shared_blocks(a, b) == 0 and shared_blocks(a, a) == 2
+    assert prefix_blocks([Header("h"), "x"])[0] == prefix_blocks([Header("h"), "y"])[0]
+    assert shared_blocks(prefix_blocks([Header("h"), "x"]), prefix_blocks([Header("h")])) == 0
+    assert shared_blocks(prefix_blocks(["h", "x"]), prefix_blocks(["h", "y"])) == 1
+
+
+def test_prompt_blocks_stay_bounded() -> None:
+    huge = "w" * (TEXT_BLOCK_CHARS * (MAX_BLOCKS + 10))
+    assert len(prompt_blocks(_chat(huge))) == MAX_BLOCKS
+    many = [{"role": "user", "content": str(i)} for i in range(MAX_BLOCKS)]
+    assert len(prompt_blocks({"messages": many})) == MAX_BLOCKS
+    parts = [{"type": "text", "text": "t"}] * MAX_BLOCKS
+    assert len(prompt_blocks({"input": [{"role": "user", "content": parts}]})) == MAX_BLOCKS
 
 
 # --------------------------------------------------------------------------- the policy

@@ -19,6 +19,7 @@ import trio
 from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.host import Host
+from gezel_trio.kv.prefix import shared_blocks
 
 from .conftest import make_config, running
 from .fault_tools import wait_nothing_held, wait_until
@@ -142,7 +143,7 @@ async def test_one_session_keeps_two_conversations_and_gets_each_back(
                 "tiny", host.sessions.session(host.sessions.caller(None), "agent")
             )
             assert len(copies) == 2  # one copy per conversation, each its latest turn
-            assert len({c.blocks[0] for c in copies}) == 2
+            assert shared_blocks(copies[0].blocks, copies[1].blocks) == 0  # two chats
             # another session with the same conversation gets none of it
             cached, _ = await _turn(host, client, _conversation(MAIN, 3), session="stranger")
             assert cached == 0
@@ -210,3 +211,31 @@ async def test_a_keyed_handoff_after_an_idle_turn_makes_two_upstream_calls(
                     assert after["save_skipped_current"] - before["save_skipped_current"] == 2
                     assert after["saved"] == before["saved"]  # no save at a handoff
                     assert after["saved_idle"] - before["saved_idle"] >= 1  # B's
+
+
+async def test_a_growing_single_message_is_restored_from_its_parked_copy(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    """A client that sends its whole transcript as one user message, longer each turn:
+    when another owner took the one slot in between, the next turn restores the
+    session's parked copy (its header and complete pieces match) and the engine reuses
+    its tokens; another session with the very same message gets none of them."""
+    cfg = _config(tiny_model, state_dir, engine_binary)
+
+    def grown(turns: int) -> list[dict[str, str]]:
+        text = "".join(f"Turn {i}: {TEXT}\n" for i in range(turns))
+        return [{"role": "user", "content": text}]
+
+    with trio.fail_after(240):
+        async with running(cfg) as (host, client):
+            await _turn(host, client, grown(1), session="chat")
+            await _turn(host, client, _conversation(SUB, 1), session="other")  # parks it
+            before = host.models["tiny"].statistics().as_dict()["kv_parking"]
+            cached, calls = await _turn(host, client, grown(2), session="chat")
+            after = host.models["tiny"].statistics().as_dict()["kv_parking"]
+            assert "restore" in calls
+            assert cached > 0
+            assert after["restores"] == before["restores"] + 1
+            assert after["ineffective"] == before["ineffective"] == 0
+            cached, calls = await _turn(host, client, grown(2), session="stranger")
+            assert cached == 0 and "restore" not in calls

@@ -22,10 +22,11 @@ Nothing here knows HTTP on the client's side.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterable, Iterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -38,6 +39,7 @@ from ..engine.client import UpstreamHead
 from ..engine.sse import SseDecoder
 from ..engine.supervisor import EngineState
 from ..errors import EngineAbandoned, EngineCrashed, EngineFailed, FieldError, GezelError
+from ..kv.prefix import Header
 from ..kv.sessions import session_hash
 from ..scheduler import Grant, Prefix, prefix_blocks
 from .runtime import ModelRuntime
@@ -129,27 +131,78 @@ def upstream_body(body: dict[str, Any], grant: Grant) -> dict[str, Any]:
 TEXT_BLOCK_CHARS = 256
 TOKEN_BLOCK = 64
 
+# The first character of a message's blocks says what each is, so that no text can
+# pass for a header, and a boundary between messages (a header) is never one between
+# pieces of a message's text.
+_HEADER, _PIECE, _REST, _PART_HEADER, _WHOLE = "\x00", "\x01", "\x02", "\x03", "\x04"
+
 
 def prompt_blocks(body: dict[str, Any]) -> Prefix:
-    """The blocks a request's prompt is placed by (see :mod:`gezel_trio.kv.prefix`):
-    one per message of a chat (or input item of a Responses request); for a text or
-    token prompt, and an infill's extra context and prefix, its *complete* fixed-size
-    pieces, so that a prompt that grows keeps every block of the shorter one. ``()``
-    when the body has none of these."""
+    """The blocks a request's prompt is placed by (see :mod:`gezel_trio.kv.prefix`).
+
+    A chat's messages (or a Responses request's input items), each as its header
+    (everything but its text content, a :class:`~gezel_trio.kv.prefix.Header`), then
+    its text content in complete :data:`TEXT_BLOCK_CHARS`-character pieces and a
+    final block for the rest (:func:`_message_blocks`); so a request that continues
+    another message by message has the other's blocks as a prefix, and one whose last
+    message grew keeps its header and every complete piece of the shorter version. A
+    text or token prompt, and an infill's extra context and prefix, as its *complete*
+    fixed-size pieces, so that a prompt that grows keeps every block of the shorter
+    one. ``()`` when the body has none of these."""
     messages = body.get("messages")
     if isinstance(messages, list):
-        return prefix_blocks(_canonical(m) for m in messages)
+        return prefix_blocks(_message_blocks(messages))
     parts: list[str] = []
     if isinstance(body.get("instructions"), str):
         parts.append(body["instructions"])
     inp = body.get("input")
     if isinstance(inp, list):
-        return prefix_blocks([*parts, *(_canonical(item) for item in inp)])
+        return prefix_blocks(itertools.chain(parts, _message_blocks(inp)))
     if isinstance(body.get("input_extra"), list):
         parts.append(_canonical(body["input_extra"]))
     for name in ("input", "input_prefix", "prompt"):
         parts += _pieces(body.get(name))
     return prefix_blocks(parts)
+
+
+def _message_blocks(messages: Iterable[object]) -> Iterator[str]:
+    """Each message's blocks, lazily (:func:`~gezel_trio.kv.prefix.prefix_blocks` reads
+    no more than ``MAX_BLOCKS``): its header (the message without ``content``), then
+    its content. Text content (a string) is :func:`_text_blocks`; a list of parts
+    gives each text part (a part with a string ``text``) as its own header (the part
+    without ``text``) and its text's blocks, and any other part (an image, a tool
+    result) as one block. A message whose content is neither (none: a tool call, say)
+    is one block, its whole self."""
+    for message in messages:
+        content: object = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(message, dict) or not isinstance(content, (str, list)):
+            yield _WHOLE + _canonical(message)
+            continue
+        yield Header(_HEADER + _canonical(_without(message, "content")))
+        if isinstance(content, str):
+            yield from _text_blocks(content)
+            continue
+        for part in content:
+            text: object = part.get("text") if isinstance(part, dict) else None
+            if not isinstance(part, dict) or not isinstance(text, str):
+                yield _WHOLE + _canonical(part)
+                continue
+            yield Header(_PART_HEADER + _canonical(_without(part, "text")))
+            yield from _text_blocks(text)
+
+
+def _without(value: dict[Any, Any], key: str) -> dict[Any, Any]:
+    return {k: v for k, v in value.items() if k != key}
+
+
+def _text_blocks(text: str) -> Iterator[str]:
+    """A message's text: its complete :data:`TEXT_BLOCK_CHARS`-character pieces, then
+    always one block for the rest (possibly empty), which ends the text."""
+    size = TEXT_BLOCK_CHARS
+    whole = len(text) - len(text) % size
+    for i in range(0, whole, size):
+        yield _PIECE + text[i : i + size]
+    yield _REST + text[whole:]
 
 
 def _pieces(value: object) -> list[str]:

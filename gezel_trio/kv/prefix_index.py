@@ -30,7 +30,7 @@ import collections
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
-from gezel_trio.kv.prefix import MAX_BLOCKS, Prefix
+from gezel_trio.kv.prefix import MAX_BLOCKS, Prefix, headers_only
 
 __all__ = ["PrefixIndex", "PrefixIndexStats"]
 
@@ -192,9 +192,9 @@ class PrefixIndex:
         take: Callable[[Hashable], bool] | None = None,
     ) -> tuple[Hashable | None, int]:
         """``owner``'s place sharing the most leading blocks with ``prefix``, and how
-        many: ``(None, 0)`` when none shares any. ``take`` limits the candidates
-        (None: every place of the owner); among places sharing as many blocks, the
-        most recently recorded wins. ``O(log len(prefix))`` probes."""
+        many: ``(None, 0)`` when none shares any (or only message headers). ``take``
+        limits the candidates (None: every place of the owner); among places sharing
+        as many blocks, the most recently recorded wins. ``O(log len(prefix))`` probes."""
         keys = self._owners.get(owner)
         if keys is None or not prefix:
             return None, 0
@@ -215,8 +215,8 @@ class PrefixIndex:
                 lo = mid
             else:
                 hi = mid - 1
-        if lo == 0:
-            return None, 0
+        if headers_only(prefix, lo):
+            return None, 0  # nothing, or message headers only: no shared conversation
         places = holders(lo)
         assert places
         best = max(
