@@ -225,6 +225,17 @@ async def test_an_owner_keeps_one_copy_per_conversation_found_by_longest_prefix(
     assert not any(FILE_PATTERN.fullmatch(p.name) for p in again.dirs["a"].iterdir())
 
 
+async def test_a_copy_whose_last_message_grew_replaces_the_one_before(tmp_path: Path) -> None:
+    """A chat message's last block is the rest of its text: a message that grows ends in
+    another block, and its new copy replaces the old one instead of piling up."""
+    store = _open(tmp_path)
+    before = await _copy(store, "s1", (1, 2, 3))
+    other = await _copy(store, "s1", (1, 9, 9, 9))  # shares one block of four: its own
+    grown = await _copy(store, "s1", (1, 2, 4, 5))  # (1, 2) shared, then grew
+    assert {e.file for e in store.copies("a", "s1")} == {grown.file, other.file}
+    assert not (store.dirs["a"] / before.file).exists()
+
+
 async def test_an_owner_keeps_at_most_max_copies(tmp_path: Path) -> None:
     store = _open(tmp_path, budget=100_000)
     first = await _copy(store, "s1", (100,))

@@ -13,7 +13,8 @@ session id, or a caller's keyless chats. Each parked *copy* records the prefix
 blocks of what it holds (:mod:`gezel_trio.kv.prefix`), and
 :meth:`KvStore.find` picks the owner's copy that shares the longest prefix with
 a request. A new save replaces the owner's copies it continues (their blocks are
-a prefix of its own), so one conversation keeps one copy; an owner keeps at most
+a prefix of its own, or all but their last block, the end of a message that has
+since grown), so one conversation keeps one copy; an owner keeps at most
 :attr:`KvStore.MAX_COPIES` per model. A copy is only ever found for its exact
 owner: KV never crosses owners.
 
@@ -260,6 +261,15 @@ class KvParkingStats:
         return dataclasses.asdict(self)
 
 
+def _continues(new: Prefix, old: Prefix) -> bool:
+    """Whether a copy with blocks ``new`` holds what one with ``old`` held: ``old`` is
+    unknown, a prefix of ``new``, or shares all but its last block with it (a chat
+    message's last block is the rest of its text, which changes as the message grows)."""
+    if not old or is_prefix(old, new):
+        return True
+    return len(old) > 1 and shared_blocks(old, new) >= len(old) - 1
+
+
 @dataclass(frozen=True, slots=True)
 class _Drop:
     entry: KvEntry
@@ -473,12 +483,13 @@ class KvStore:
 
     async def put(self, entry: KvEntry) -> list[KvEntry]:
         """Index ``entry`` (its file is on disk). It replaces the copies of its session on
-        that model that it continues (their blocks are a prefix of its own, or unknown),
+        that model that it continues (:func:`_continues`: their blocks are unknown, a
+        prefix of its own, or differ from its own only in their last block),
         and the session's least recently used copies beyond :attr:`MAX_COPIES`; their
         files are deleted. Then evict beyond the budget. Returns the entries evicted by
         the budget. Not abandoned on cancellation."""
         others = [e for e in self.copies(entry.model, entry.session) if e.file != entry.file]
-        replaced = [e for e in others if not e.blocks or is_prefix(e.blocks, entry.blocks)]
+        replaced = [e for e in others if _continues(entry.blocks, e.blocks)]
         kept = [e for e in others if e not in replaced]
         replaced += kept[self.MAX_COPIES - 1 :]  # most recently used first
         await trio.to_thread.run_sync(self._put_sync, entry, replaced)
