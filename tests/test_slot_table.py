@@ -127,7 +127,7 @@ def test_a_restore_is_unknown_until_acknowledged_and_then_owned_with_a_current_c
     assert table.safe_for(0, "chat-2") and not table.safe_for(0, "chat-1")
 
 
-def test_a_handoff_is_likely_only_when_another_owner_or_no_clean_slot_is_around() -> None:
+def test_a_handoff_is_likely_only_when_no_clean_slot_is_left() -> None:
     table = SlotTable(3, generation=1)
 
     def complete(slot: int, session: str | None) -> None:
@@ -148,10 +148,14 @@ def test_a_handoff_is_likely_only_when_another_owner_or_no_clean_slot_is_around(
     table = SlotTable(2, generation=1)
     complete(0, "chat-1")
     complete(1, None)
-    assert table.handoff_likely(0)  # a keyless job is around: a spare slot is not enough
+    assert table.handoff_likely(0)  # no slot to spare
     table = SlotTable(1, generation=1)
     complete(0, "chat-1")
     assert table.handoff_likely(0)
+    table = SlotTable(4, generation=1)  # three owners on four slots: nobody is handed off
+    for slot, owner in enumerate(("chat-1", "chat-2", "chat-3")):
+        complete(slot, owner)
+    assert not table.handoff_likely(0)
 
 
 def test_a_completion_leaves_its_session_or_a_dirty_keyless_slot() -> None:

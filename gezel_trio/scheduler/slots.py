@@ -297,21 +297,14 @@ class SlotTable:
 
     def handoff_likely(self, slot: int) -> bool:
         """Whether ``slot`` may soon change hands, so that saving its KV ahead of time
-        pays: another slot holds a different owner's or a keyless job's KV, or no slot
-        is left fresh or clean for a newcomer. A lone owner with clean slots to spare
-        is never handed off, and saving its every turn would only cost it time."""
-        session = self.slots[slot].session
-        for entry in self.slots:
-            if entry.id == slot:
-                continue
-            if entry.content in (Content.FRESH, Content.CLEAN):
-                return any(
-                    other.content is Content.KEYLESS
-                    or (other.content is Content.OWNED and other.session != session)
-                    for other in self.slots
-                    if other.id != slot
-                )
-        return True
+        pays: no other slot is left fresh or clean for a newcomer. While one is, the
+        next owner takes it, and saving every turn would only cost time: the engine
+        pauses its other slots while it writes a save. (Another owner already waiting
+        is the dispatcher's to see.)"""
+        return not any(
+            entry.id != slot and entry.content in (Content.FRESH, Content.CLEAN)
+            for entry in self.slots
+        )
 
     def holders(self) -> dict[str, list[int]]:
         """Session -> the slots whose KV it owns, most recently used first."""
