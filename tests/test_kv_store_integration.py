@@ -21,6 +21,7 @@ from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.supervisor import EngineState
 from gezel_trio.gpu.probe import GpuReading, StaticProbe
 from gezel_trio.host import Host
+from gezel_trio.host.completion import Completion, Owner
 from gezel_trio.scheduler.slots import Content
 
 from .conftest import make_config, running
@@ -205,6 +206,51 @@ async def test_a_session_returns_after_a_host_restart(
             assert await _cached(client, [*PROMPT, *MORE], "A") == expected
             assert _kv(host)["hits"] == 1
             assert await _cached(client, [*PROMPT, *MORE], "B") == 0
+
+
+async def test_the_completion_service_verifies_a_restore_without_http(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    """Verifying a KV restore is the completion service's: a completion run through it
+    directly (no HTTP front, no request log) that the restore served counts as a hit,
+    streamed or not."""
+    cfg = _config(tiny_model, state_dir, engine_binary)
+    with trio.fail_after(120):
+        async with running(cfg) as (host, _client):
+            service = host.completions
+            runtime = host.models["tiny"]
+            owner = Owner(session="A", keyless=False)
+            prompt = list(PROMPT)
+
+            def completion(stream: bool) -> Completion:
+                body = {**_body(prompt, None), "stream": stream}
+                return Completion("/completion", body, "native", stream=stream)
+
+            answer = await service.complete(runtime, completion(False), owner)
+            assert isinstance(answer.result, dict)
+            assert answer.result["timings"]["cache_n"] == 0
+            assert answer.grant.restored_tokens == 0
+
+            await runtime.engine.stop()  # A's slot is parked first
+            assert _kv(host)["stop_parks"] >= 1
+            prompt += MORE
+            answer = await service.complete(runtime, completion(False), owner)
+            assert isinstance(answer.result, dict)
+            assert answer.grant.restored_tokens > 0
+            assert answer.result["timings"]["cache_n"] > 0
+            kv = _kv(host)
+            assert kv["hits"] == 1 and kv["ineffective"] == 0
+
+            await runtime.engine.stop()
+            prompt += MORE
+            job = service.start_stream(runtime, completion(True), owner)
+            job.reading.set()
+            chunks = [item async for item in job.recv]
+            assert job.error is None and job.grant is not None
+            assert job.grant.restored_tokens > 0
+            assert any(isinstance(c, bytes) and b'"cache_n"' in c for c in chunks)
+            kv = _kv(host)
+            assert kv["hits"] == 2 and kv["ineffective"] == 0
 
 
 @pytest.mark.parametrize("change", ["cache-type-k", "model-file"])

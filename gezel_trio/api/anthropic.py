@@ -21,6 +21,7 @@ from typing import Any
 from quart import Blueprint, Response
 
 from ..engine.sse import SseDecoder
+from ..engine.usage import token_counts
 from ..errors import EngineFailed, GezelError
 from ..host import Host
 from ..host.completion import Completion
@@ -35,7 +36,7 @@ from .anthropic_translate import (
 from .auth import request_owner
 from .errors import json_response
 from .exchange import Counts, current_exchange
-from .metrics_endpoint import resolve_model, token_counts
+from .metrics_endpoint import resolve_model
 from .relay import proxy_completion, requested_model, slot_free_call
 from .validation import read_json_object
 

@@ -22,6 +22,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..engine.usage import Counts
+
 if TYPE_CHECKING:
     from werkzeug.datastructures import Headers
 
@@ -40,9 +42,6 @@ __all__ = [
 
 UNRESOLVED = "(unresolved)"
 """The model label of a request whose model never resolved (404, 400 before routing)."""
-
-Counts = tuple[int | None, int | None, int | None]
-"""(prompt, cached, completion) tokens, as :func:`.metrics_endpoint.token_counts` reads them."""
 
 
 class LowerHeaders(dict[str, str]):

@@ -26,7 +26,7 @@ from quart import Blueprint, Response, current_app, request
 from quart.wrappers.response import IterableBody
 from quart_trio import QuartTrio
 
-from ..engine.sse import data_payloads
+from ..engine.usage import TAIL_BYTES, Counts, tail_counts, token_counts
 from ..errors import GezelError
 from ..host import Host, ModelRuntime
 from ..host.activity import Activity, RequestEvent
@@ -35,10 +35,8 @@ from .exchange import UNRESOLVED, Exchange, current_exchange
 
 bp = Blueprint("metrics", __name__)
 request_log = logging.getLogger("gezel_trio.requests")
-log = logging.getLogger("gezel_trio.api.metrics")
 
 INSTRUMENTED_BLUEPRINTS = frozenset({"openai", "native", "responses", "anthropic", "ollama"})
-_TAIL_BYTES = 32 * 1024
 _MAX_PARSE_BYTES = 4 * 1024 * 1024
 
 
@@ -65,72 +63,6 @@ def resolve_model(host: Host, model: object, *, session: str | None = None) -> M
         raise
     exchange.model = runtime.config.replica_of or runtime.id
     return runtime
-
-
-def token_counts(obj: Any) -> tuple[int | None, int | None, int | None]:
-    """(prompt, cached, completion) tokens from one engine answer or SSE event.
-
-    Reads OpenAI ``usage`` (``prompt_tokens``,
-    ``prompt_tokens_details.cached_tokens``, ``completion_tokens``, or the Responses
-    API's ``input_tokens``, ``input_tokens_details.cached_tokens``, ``output_tokens``,
-    also inside a ``response.completed`` event), then
-    llama.cpp ``timings`` (``prompt_n`` + ``cache_n``, ``cache_n``,
-    ``predicted_n``). Missing parts are None.
-    """
-    if not isinstance(obj, dict):
-        return None, None, None
-    if isinstance(obj.get("response"), dict):  # a Responses stream's last event
-        obj = obj["response"]
-    prompt = cached = completion = None
-    timings = obj.get("timings") if isinstance(obj.get("timings"), dict) else {}
-    assert isinstance(timings, dict)
-    usage = obj.get("usage")
-    if isinstance(usage, dict):
-        if "input_tokens" in usage:  # the Responses API's names
-            prompt = _int(usage.get("input_tokens"))
-            completion = _int(usage.get("output_tokens"))
-            details = usage.get("input_tokens_details")
-        else:
-            prompt = _int(usage.get("prompt_tokens"))
-            completion = _int(usage.get("completion_tokens"))
-            details = usage.get("prompt_tokens_details")
-        if isinstance(details, dict):
-            cached = _int(details.get("cached_tokens"))
-    t_prompt, t_cache, t_pred = (
-        _int(timings.get("prompt_n")),
-        _int(timings.get("cache_n")),
-        _int(timings.get("predicted_n")),
-    )
-    if prompt is None and t_prompt is not None:
-        prompt = t_prompt + (t_cache or 0)
-    if cached is None:
-        cached = t_cache
-    if completion is None:
-        completion = t_pred
-    return prompt, cached, completion
-
-
-def _int(v: object) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
-
-
-def _tail_counts(tail: bytes) -> tuple[int | None, int | None, int | None]:
-    """Token counts from the last SSE event that carries usage or timings."""
-    best: tuple[int | None, int | None, int | None] = (None, None, None)
-    for data in reversed(list(data_payloads(tail))):
-        if not data.startswith(b"{"):
-            continue
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            continue
-        counts = token_counts(obj)
-        if counts[0] is not None:
-            if isinstance(obj.get("usage"), dict):
-                return counts
-            if best[0] is None:
-                best = counts
-    return best
 
 
 def install_metrics(app: QuartTrio, metrics: Metrics) -> None:
@@ -177,7 +109,6 @@ async def record_answer(exchange: Exchange, resp: Response, metrics: Metrics) ->
     metrics.request_done(exchange.model, status, duration, ttft, *counts)
     fields = {"path": exchange.path, **exchange.log}
     log_request(exchange.model, status, duration, ttft, counts, fields, activity)
-    _verify_restore(fields, status, counts)
     return resp
 
 
@@ -201,7 +132,7 @@ async def _observed_stream(
                 if isinstance(chunk, bytes | bytearray):
                     recent.append(bytes(chunk))
                     held += len(chunk)
-                    while held - len(recent[0]) >= _TAIL_BYTES:
+                    while held - len(recent[0]) >= TAIL_BYTES:
                         held -= len(recent.popleft())
                 yield chunk
     finally:
@@ -210,22 +141,9 @@ async def _observed_stream(
         read = fields.get("counts")
         counts = read() if callable(read) else None
         if counts is None:
-            counts = _tail_counts(b"".join(recent)[-_TAIL_BYTES:])
+            counts = tail_counts(b"".join(recent)[-TAIL_BYTES:])
         metrics.request_done(model, status, duration, ttft, *counts)
         log_request(model, status, duration, ttft, counts, fields, activity)
-        _verify_restore(fields, status, counts)
-
-
-def _verify_restore(
-    fields: dict[str, Any], status: int, counts: tuple[int | None, int | None, int | None]
-) -> None:
-    """After a KV restore, hand the answer's (prompt, cached) tokens to its verifier."""
-    verify = fields.get("verify_restore")
-    if callable(verify) and status == 200:
-        try:
-            verify(counts[0], counts[1])
-        except Exception:  # pragma: no cover - bookkeeping must never fail a response
-            log.exception("verifying a KV restore failed")
 
 
 def log_request(
@@ -233,7 +151,7 @@ def log_request(
     status: int,
     duration_s: float,
     ttft_s: float | None,
-    counts: tuple[int | None, int | None, int | None],
+    counts: Counts,
     fields: dict[str, Any],
     activity: Activity | None = None,
 ) -> None:

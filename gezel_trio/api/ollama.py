@@ -47,13 +47,14 @@ from quart.wrappers.response import IterableBody
 from ..engine.client import UpstreamResult
 from ..engine.sse import SseDecoder
 from ..engine.supervisor import EngineState
+from ..engine.usage import token_counts
 from ..errors import EngineFailed, FieldError, GezelError, UnknownModel
 from ..host import Host, ModelRuntime
 from ..host.completion import Completion, Owner
 from .auth import request_owner
 from .errors import json_response
 from .exchange import Counts, current_exchange
-from .metrics_endpoint import resolve_model, token_counts
+from .metrics_endpoint import resolve_model
 from .ollama_translate import (
     CHAT_PATH,
     EMBEDDINGS_PATH,

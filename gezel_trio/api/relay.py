@@ -23,10 +23,8 @@ model by its alias, which is the model id for engines the host spawns).
 from __future__ import annotations
 
 import json
-import logging
 import math
 from collections.abc import AsyncIterator
-from functools import partial
 from typing import Any, Protocol
 
 import trio
@@ -34,6 +32,7 @@ from quart import Response
 
 from ..engine.client import UpstreamHead, UpstreamResult, sse_error_event
 from ..engine.sse import data_payloads
+from ..engine.usage import token_counts
 from ..errors import EngineCrashed, EngineFailed, GezelError
 from ..host import Host, ModelRuntime
 from ..host.completion import Completion, EngineAnswer, Item, Owner, StreamJob
@@ -41,9 +40,6 @@ from ..kv.sessions import session_hash
 from ..scheduler import Grant
 from .errors import response_for
 from .exchange import Counts, current_exchange
-from .metrics_endpoint import token_counts
-
-log = logging.getLogger("gezel_trio.requests")
 
 SSE_HEADERS = {
     "Cache-Control": "no-cache",
@@ -257,7 +253,7 @@ async def proxy_completion(
     if completion.stream:
         return await _stream(host, runtime, completion, owner, shaper)
     answer = await host.completions.complete(runtime, completion, owner)
-    _note_for_log(answer.runtime, owner.session, answer.grant)
+    _note_for_log(owner.session, answer.grant)
     exchange = current_exchange()
     exchange.first_event_at = answer.first_event_at  # its TTFT
     result = answer.result
@@ -287,11 +283,11 @@ async def _stream(
     (:meth:`CompletionService.start_stream`): the engine's head decides the status;
     a job still queued after ``sse_keepalive_interval`` commits to a 200 with the
     dialect's keep-alive (:func:`_waiting_stream`). The job is cancelled when the body
-    ends (the stream ended, or the client left) or has not started
-    ``stream_start_timeout`` after the head was handed over (the client left before
-    the server could start it, so the body's own cleanup never runs)."""
+    ends (the stream ended, or the client left) or, by the service, when the body has
+    not started ``stream_start_timeout`` after the head was handed over
+    (:meth:`CompletionService.expect_reader`: the client left before the server could
+    start it, so the body's own cleanup never runs)."""
     job = host.completions.start_stream(runtime, completion, owner)
-    body_started = trio.Event()
     handed_off = False
     try:
         keepalive = host.config.server.sse_keepalive_interval
@@ -301,26 +297,26 @@ async def _stream(
                 first = await job.recv.receive()
             except trio.EndOfChannel:
                 err = job.error or EngineCrashed("the engine closed the stream before answering")
-                _note_for_log(job.runtime, job.session, job.grant)
+                _note_for_log(job.session, job.grant)
                 return response_for(err)
         if first is None:
             # Still queued or loading: commit to a 200 stream and keep the client (and
             # any proxy) alive; a later failure is an error event.
             handed_off = True
-            return _waiting_stream(host, job, body_started, shaper)
+            return _waiting_stream(host, job, shaper)
         if isinstance(first, GezelError):  # the job failed before the engine answered
-            _note_for_log(job.runtime, job.session, job.grant)
+            _note_for_log(job.session, job.grant)
             return response_for(first)
         if isinstance(first, bytes):  # pragma: no cover - the head always comes first
             raise EngineCrashed("the engine sent a body before its head")
         head = first
         if head.status != 200:
             chunks = [c async for c in job.recv if isinstance(c, bytes)]
-            _note_for_log(job.runtime, job.session, job.grant)
+            _note_for_log(job.session, job.grant)
             return shaper.failure(head.status, head.content_type, b"".join(chunks))
 
         async def body_iter() -> AsyncIterator[bytes]:
-            body_started.set()
+            job.reading.set()
             try:
                 async with job.recv:
                     async for item in _relayed(job.recv, shaper):
@@ -328,7 +324,7 @@ async def _stream(
             finally:
                 job.scope.cancel()
 
-        _note_for_log(job.runtime, job.session, job.grant, shaper)
+        _note_for_log(job.session, job.grant, shaper)
         resp = Response(
             body_iter(),
             status=200,
@@ -336,24 +332,12 @@ async def _stream(
             headers={**SSE_HEADERS, **_wait_header(job.grant)},
         )
         resp.timeout = None
-        host.tasks.start_soon(_body_must_start, host, job, body_started)
+        host.completions.expect_reader(job)
         handed_off = True
         return resp
     finally:
         if not handed_off:
             job.cancel()
-
-
-async def _body_must_start(host: Host, job: StreamJob, body_started: trio.Event) -> None:
-    """Cancel ``job`` unless its response body starts within ``stream_start_timeout``."""
-    with trio.move_on_after(host.config.server.stream_start_timeout):
-        await body_started.wait()
-        return
-    log.info(
-        "stream body never started: the client left before its head was sent",
-        extra={"fields": {"model": job.runtime.id, "session": session_hash(job.session)}},
-    )
-    job.cancel()
 
 
 async def _relayed(recv: trio.MemoryReceiveChannel[Item], shaper: Shaper) -> AsyncIterator[bytes]:
@@ -398,9 +382,7 @@ def _wait_header(grant: Grant | None) -> dict[str, str]:
     return {} if grant is None else {QUEUE_WAIT_HEADER: f"{grant.queue_wait_s * 1000:.1f}"}
 
 
-def _waiting_stream(
-    host: Host, job: StreamJob, body_started: trio.Event, shaper: Shaper
-) -> Response:
+def _waiting_stream(host: Host, job: StreamJob, shaper: Shaper) -> Response:
     """The response of a stream that is still waiting for its slot: the dialect's
     keep-alive every ``sse_keepalive_interval`` until the engine's head arrives, then
     the engine's stream. An engine error, before or after its head, becomes the
@@ -408,7 +390,7 @@ def _waiting_stream(
     interval = host.config.server.sse_keepalive_interval
 
     async def body_iter() -> AsyncIterator[bytes]:
-        body_started.set()
+        job.reading.set()
         try:
             async with job.recv:
                 waiting = shaper.waiting()
@@ -448,29 +430,26 @@ def _waiting_stream(
         finally:
             job.scope.cancel()
             # the request's log line is written after the body: give it the grant now
-            fields.update(_log_fields(job.runtime, job.session, job.grant, shaper))
+            fields.update(_log_fields(job.session, job.grant, shaper))
 
-    fields = _log_fields(job.runtime, job.session, None, shaper)
+    fields = _log_fields(job.session, None, shaper)
     current_exchange().log = fields
     resp = Response(body_iter(), status=200, content_type=shaper.media_type, headers=SSE_HEADERS)
     resp.timeout = None
-    host.tasks.start_soon(_body_must_start, host, job, body_started)
+    host.completions.expect_reader(job)
     return resp
 
 
 def _note_for_log(
-    runtime: ModelRuntime,
     session: str | None,
     grant: Grant | None,
     shaper: Shaper | None = None,
 ) -> None:
-    """Hand the request log line what only the relay knows (see metrics_endpoint.log_request),
-    and, after a KV restore, who verifies it against the answer's cached tokens."""
-    current_exchange().log = _log_fields(runtime, session, grant, shaper)
+    """Hand the request log line what only the relay knows (see metrics_endpoint.log_request)."""
+    current_exchange().log = _log_fields(session, grant, shaper)
 
 
 def _log_fields(
-    runtime: ModelRuntime,
     session: str | None,
     grant: Grant | None,
     shaper: Shaper | None = None,
@@ -483,6 +462,4 @@ def _log_fields(
     }
     if shaper is not None:
         fields["counts"] = shaper.counts  # a stream's tokens, once the shaper read them
-    if grant is not None and grant.restored_tokens:
-        fields["verify_restore"] = partial(runtime.verify_restore, grant.restored_tokens)
     return fields

@@ -13,7 +13,12 @@ non-streamed answer is assembled. From there every completion takes one path:
 - a non-streamed completion is streamed from the engine and assembled here, so a
   client that walks away stops generation at once (llama-server, measured on
   b10435, kept generating a non-streamed request for 10 s and more after its
-  client closed).
+  client closed);
+- once its answer is known (assembled, or its stream ended), a completion that ran
+  on a KV restore verifies it against the tokens the engine reports cached
+  (:meth:`ModelRuntime.verify_restore <gezel_trio.host.runtime.ModelRuntime.verify_restore>`);
+- a stream whose reader never starts reading is cancelled
+  (:meth:`CompletionService.expect_reader`).
 
 What comes back is the engine's, parsed once (:class:`Answer`), or a stream of
 its raw chunks (:class:`StreamJob`); shaping it for the client is the dialect's.
@@ -28,7 +33,7 @@ import logging
 import time
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import trio
@@ -38,6 +43,7 @@ from ..engine.assemble import Shape, StreamAssembler
 from ..engine.client import UpstreamHead
 from ..engine.sse import SseDecoder
 from ..engine.supervisor import EngineState
+from ..engine.usage import Counts, StreamTail, token_counts
 from ..errors import EngineAbandoned, EngineCrashed, EngineFailed, FieldError, GezelError
 from ..kv.prefix import Header
 from ..kv.sessions import session_hash
@@ -235,7 +241,7 @@ class StallGuard:
     event brings a second one, which is dropped when it is a 200 like the first (the
     client goes on reading the same response) and is an error otherwise."""
 
-    __slots__ = ("_channel", "_head", "_stall_s", "events")
+    __slots__ = ("_channel", "_head", "_stall_s", "events", "tail")
 
     def __init__(self, channel: trio.MemorySendChannel[Item], stall_s: float):
         self._channel = channel
@@ -243,6 +249,13 @@ class StallGuard:
         self._head: UpstreamHead | None = None
         self.events = 0
         """Chunks of the answer handed on so far (0: the client has none of it)."""
+        self.tail = StreamTail()
+        """The end of what was handed on, where the engine says its token counts."""
+
+    @property
+    def answered(self) -> bool:
+        """Whether the engine's head was a 200: its stream is an answer."""
+        return self._head is not None and self._head.status == 200
 
     async def send(self, value: UpstreamHead | bytes, /) -> None:
         """Raises BrokenResourceError after ``stall_s`` without room in the channel,
@@ -266,6 +279,7 @@ class StallGuard:
                 ) from None
         if not isinstance(value, UpstreamHead):
             self.events += 1
+            self.tail.add(value)
 
 
 @dataclass(slots=True)
@@ -284,6 +298,8 @@ class StreamJob:
     session: str | None
     grant: Grant | None = None
     error: GezelError | None = None
+    reading: trio.Event = field(default_factory=trio.Event)
+    """Set by the reader once it starts reading (see :meth:`CompletionService.expect_reader`)."""
 
     def cancel(self) -> None:
         """End the job (its channel too), whatever it is doing."""
@@ -384,6 +400,8 @@ class CompletionService:
                 )
                 self._resent += 1
                 runtime = self._resend_to(runtime, owner)
+        if not isinstance(result, EngineAnswer):
+            _verify_restore(runtime, grant, token_counts(result))
         return Answer(result, runtime, grant, first)
 
     # ------------------------------------------------------------------ streamed
@@ -439,6 +457,23 @@ class CompletionService:
         self._host.tasks.start_soon(run)
         return job
 
+    def expect_reader(self, job: StreamJob) -> None:
+        """Cancel ``job`` unless its reader starts reading (sets ``job.reading``)
+        within ``stream_start_timeout``: a response handed over whose body never
+        starts (the client left before its head was sent) never runs the body's own
+        cleanup, which would cancel the job. The wait runs in the host's nursery."""
+        self._host.tasks.start_soon(self._reader_must_start, job)
+
+    async def _reader_must_start(self, job: StreamJob) -> None:
+        with trio.move_on_after(self._host.config.server.stream_start_timeout):
+            await job.reading.wait()
+            return
+        log.info(
+            "stream body never started: the client left before its head was sent",
+            extra={"fields": {"model": job.runtime.id, "session": session_hash(job.session)}},
+        )
+        job.cancel()
+
     async def _stream_into(
         self,
         runtime: ModelRuntime,
@@ -450,8 +485,9 @@ class CompletionService:
     ) -> None:
         """Relay one stream into ``guarded``, holding its slot; ``job`` gets the grant
         and the member it ran on. Sent again once when the engine went away before
-        ``guarded`` passed anything on. Raises the project's errors; cancellation exits
-        the slot and closes the upstream stream."""
+        ``guarded`` passed anything on. A stream the engine answered (a 200) and ended
+        verifies a KV restore with the counts of its last events. Raises the project's
+        errors; cancellation exits the slot and closes the upstream stream."""
         for attempt in (1, 2):
             job.grant = None
             try:
@@ -463,6 +499,8 @@ class CompletionService:
                         guarded,
                         slot=grant.slot_id,
                     )
+                if guarded.answered:
+                    _verify_restore(member, grant, guarded.tail.counts())
                 return
             except EngineCrashed:
                 granted = job.grant
@@ -477,6 +515,17 @@ class CompletionService:
                 )
                 self._resent += 1
                 runtime = self._resend_to(member, owner)
+
+
+def _verify_restore(runtime: ModelRuntime, grant: Grant, counts: Counts) -> None:
+    """After a KV restore (``grant.restored_tokens``), hand the answer's (prompt,
+    cached) tokens, as the engine reported them, to ``runtime``'s verification."""
+    if not grant.restored_tokens:
+        return
+    try:
+        runtime.verify_restore(grant.restored_tokens, counts[0], counts[1])
+    except Exception:  # pragma: no cover - bookkeeping must never fail a completion
+        log.exception("verifying a KV restore failed")
 
 
 async def _engine_went_away(runtime: ModelRuntime, grant: Grant) -> bool:
