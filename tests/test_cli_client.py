@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -84,17 +86,39 @@ def test_logs_and_logs_follow(host_url: str) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
+    # Read the follower's lines as they come, and wait on them, not on the clock: a
+    # busy machine may take seconds to start it or to pass a line on.
+    seen: queue.Queue[str] = queue.Queue()
+    assert follow.stdout is not None
+
+    def read_lines() -> None:
+        for line in follow.stdout or ():
+            seen.put(line)
+
+    reader = threading.Thread(target=read_lines)
+    reader.start()
+    lines: list[str] = []
+
+    def read_until(done: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 60
+        while not done() and time.monotonic() < deadline:
+            try:
+                lines.append(seen.get(timeout=0.2).rstrip("\n"))
+            except queue.Empty:
+                pass
+
     try:
-        time.sleep(1.5)
+        read_until(lambda: len(lines) >= 1)  # the follower is there: its first line
         headers = {"Authorization": "Bearer k-user"}
         body = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
         r = httpx.post(host_url + "/v1/completions", json=body, headers=headers, timeout=60)
         assert r.status_code == 200
-        time.sleep(1.5)
+        read_until(lambda: any("print_timing" in line or "prompt" in line for line in lines[1:]))
     finally:
         follow.terminate()
-        out, err = follow.communicate(timeout=10)
-    lines = out.splitlines()
+        follow.wait(timeout=10)
+        reader.join(timeout=10)
+        err = follow.stderr.read() if follow.stderr is not None else ""
     assert len(lines) > 1, err  # the first line, then what the request logged
     assert any("print_timing" in line or "prompt" in line for line in lines[1:]), lines
 
