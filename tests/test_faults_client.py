@@ -9,6 +9,7 @@ chat's (so the next chat to get it is erased first, and the same chat keeps its 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -254,7 +255,10 @@ async def test_many_clients_vanish_mid_stream(
             async def vanish(i: int) -> None:
                 nonlocal first_chunks
                 body = {**LONG, "stream": True, "prompt_cache_key": f"s{i % 5}"}
-                with trio.move_on_after(0.05 * i + 0.3):
+                # The first two wait for their first chunk however busy the machine is
+                # (one per slot); the others leave after a while, streaming or queued.
+                patience = math.inf if i < 2 else 0.05 * i + 0.3
+                with trio.move_on_after(patience):
                     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
                         async for line in r.aiter_lines():
                             if line.startswith("data: "):
