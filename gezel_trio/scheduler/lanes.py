@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 import trio
 
@@ -13,7 +13,10 @@ from gezel_trio._trio import unwrapping
 from gezel_trio.kv.prefix import Prefix
 from gezel_trio.scheduler.jobs import LaneInfo, SlotMeasurement
 
-__all__ = ["EngineLane", "ParkingLane", "unless_failed"]
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
+__all__ = ["EngineLane", "ParkingLane", "can_park", "unless_failed"]
 
 T = TypeVar("T")
 
@@ -55,6 +58,19 @@ class ParkingLane(Protocol):
         ...
 
 
+_PARKING_TYPES: dict[type, bool] = {}
+
+
+def can_park(lane: object) -> TypeIs[ParkingLane]:
+    """Whether ``lane`` is a :class:`ParkingLane`. A runtime protocol check reads every
+    member of the protocol; this asks once per type (what it checks is the type's)."""
+    kind = type(lane)
+    known = _PARKING_TYPES.get(kind)
+    if known is None:
+        known = _PARKING_TYPES[kind] = isinstance(lane, ParkingLane)
+    return known
+
+
 class EngineLane(LaneInfo, Protocol):
     """What the scheduler needs from one model's engine."""
 
@@ -65,6 +81,12 @@ class EngineLane(LaneInfo, Protocol):
 
     async def ensure_resident(self) -> None:
         """Start or switch the engine lazily; raises project errors (EngineFailed, NoCapacity)."""
+        ...
+
+    def resident_now(self) -> bool:
+        """Whether :meth:`ensure_resident` has nothing to do now: the engine is ready
+        and nothing about it is left to note. The dispatcher then admits in the same
+        pass, with no load task (the lease still passes the GPU's gate)."""
         ...
 
     async def wait_failed(self) -> None:

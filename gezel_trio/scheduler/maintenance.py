@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import trio
 
 from gezel_trio.kv.prefix import Prefix
-from gezel_trio.scheduler.lanes import EngineLane, ParkingLane
+from gezel_trio.scheduler.lanes import EngineLane, can_park
 from gezel_trio.scheduler.policy import SchedulerPolicy
 from gezel_trio.scheduler.settings import SchedulerSettings
 from gezel_trio.scheduler.slots import Content
@@ -84,7 +84,7 @@ class SlotMaintenance:
         return f"<SlotMaintenance saves={sorted(self._saves)}>"
 
     def parking(self, lane: EngineLane | None) -> bool:
-        return self.settings.kv_parking and isinstance(lane, ParkingLane) and lane.parking_enabled
+        return self.settings.kv_parking and can_park(lane) and lane.parking_enabled
 
     async def wait_for_save(self, model_id: str, slot: int) -> None:
         """Return once no background save is in flight on ``slot`` (at most
@@ -112,7 +112,7 @@ class SlotMaintenance:
         lane = self._lanes.get(model_id)
         if not self.parking(lane):
             return 0
-        assert isinstance(lane, ParkingLane)
+        assert can_park(lane)
         for key in [key for key in self._saves if key[0] == model_id]:
             await self.wait_for_save(*key)  # a background save ends first
         table = self._policy.table(model_id)
@@ -294,7 +294,7 @@ class SlotMaintenance:
             or table.slots[slot].released != released
         ):
             return None  # used again since (or made fresh by a restart)
-        assert isinstance(lane, ParkingLane)
+        assert can_park(lane)
         entry = table.slots[slot]
         if entry.parked_current and lane.is_current(entry.session or "", entry.blocks):
             return None
@@ -314,7 +314,7 @@ class SlotMaintenance:
         """The I/O of a save begun by :meth:`_begin_idle_save` (within ``park_timeout``)."""
         tokens: int | None = None
         try:
-            assert isinstance(save.lane, ParkingLane)
+            assert can_park(save.lane)
             with trio.move_on_after(self.settings.park_timeout):
                 try:
                     tokens = await save.lane.park_slot(save.slot, save.session, save.blocks)

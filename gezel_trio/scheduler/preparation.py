@@ -25,7 +25,7 @@ import trio
 from gezel_trio.errors import EngineCrashed, EngineFailed, GezelError
 from gezel_trio.kv.prefix import Prefix, is_prefix, shared_blocks
 from gezel_trio.scheduler.jobs import Grant
-from gezel_trio.scheduler.lanes import EngineLane, ParkingLane, unless_failed
+from gezel_trio.scheduler.lanes import EngineLane, ParkingLane, can_park, unless_failed
 from gezel_trio.scheduler.maintenance import SlotMaintenance
 from gezel_trio.scheduler.policy import SchedulerPolicy
 from gezel_trio.scheduler.settings import SchedulerSettings
@@ -134,17 +134,13 @@ class SlotPreparer:
         prefix = job.prefix
 
         def is_parked(session: str) -> bool:
-            return (
-                not restore_failed
-                and isinstance(lane, ParkingLane)
-                and lane.is_parked(session, prefix)
-            )
+            return not restore_failed and can_park(lane) and lane.is_parked(session, prefix)
 
         def is_current(session: str, blocks: Prefix) -> bool:
-            return isinstance(lane, ParkingLane) and lane.is_current(session, blocks)
+            return can_park(lane) and lane.is_current(session, blocks)
 
         def parked_shares(session: str) -> int | None:
-            if restore_failed or not isinstance(lane, ParkingLane):
+            if restore_failed or not can_park(lane):
                 return None
             blocks = lane.parked_blocks(session, prefix)
             return None if blocks is None else shared_blocks(blocks, prefix)
@@ -174,17 +170,17 @@ class SlotPreparer:
                 and owner != job.session
                 and not prep.restore
             ):
-                assert isinstance(lane, ParkingLane)
+                assert can_park(lane)
                 lane.note_miss()
             if prep.calls == 0:
                 break
             calls += prep.calls
             if prep.park is not None:
-                assert isinstance(lane, ParkingLane)
+                assert can_park(lane)
                 if not await self._park(job, lane, prep.park):
                     parking = False  # that session re-prefills later; go on without
             if prep.restore:
-                assert isinstance(lane, ParkingLane) and job.session is not None
+                assert can_park(lane) and job.session is not None
                 restored = await self._restore(job, lane, job.session)
                 if restored:
                     erased = True
