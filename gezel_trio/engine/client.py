@@ -27,8 +27,10 @@ request cost; ``calls["tcp_connect"]`` counts the TCP connections it opened.
 llama-server closes the connection after every streamed answer (measured on b10435
 whatever the request's ``Connection`` header: its chunked writer ends the response
 by reporting a cancelled write), and every completion is streamed from the engine,
-so each one opens a connection; control calls and other forwarded requests reuse
-the pool's.
+so each one opens a connection. A stream says so (``Connection: close``), which sends
+it over a connection of its own on the transport's lean path
+(:class:`~.transport.EngineTransport`), never back to the pool; control calls and
+other forwarded requests reuse the pool's.
 """
 
 from __future__ import annotations
@@ -223,6 +225,9 @@ async def check_health(
     return HealthCheck(resp.status_code == 200, f"{path} answered {resp.status_code}")
 
 
+_CLOSE = {"Connection": "close"}
+
+
 def _timeout(read_timeout: float | None) -> httpx.Timeout:
     return httpx.Timeout(connect=10.0, read=read_timeout, write=60.0, pool=None)
 
@@ -286,6 +291,7 @@ class EngineClient:
         json: Any = None,
         params: Mapping[str, str] | None = None,
         raw: tuple[bytes, str] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> httpx.Request:
         """``json`` as the body, or ``raw``: (bytes, content type) sent as they are."""
         url = self._url(path)
@@ -298,7 +304,7 @@ class EngineClient:
             return httpx.Request(
                 method, url, content=content, headers=headers, extensions=extensions
             )
-        return httpx.Request(method, url, json=json, extensions=extensions)
+        return httpx.Request(method, url, json=json, headers=headers, extensions=extensions)
 
     async def _exchange(self, request: httpx.Request, *, stream: bool = False) -> httpx.Response:
         """Send under the retry rule; the body is read unless ``stream``."""
@@ -440,7 +446,9 @@ class EngineClient:
         Cancellation (the client went away) closes the upstream response at once,
         which makes llama-server stop generating. ``send`` is not closed here.
         """
-        request = self._request("POST", path, json=body, timeout=_timeout(self.read_timeout))
+        request = self._request(
+            "POST", path, json=body, headers=_CLOSE, timeout=_timeout(self.read_timeout)
+        )
         self._note(path, slot)
         try:
             resp = await self._exchange(request, stream=True)

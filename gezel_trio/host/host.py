@@ -30,6 +30,7 @@ from ..config.schema import Config
 from ..engine.argv import last_arg_value
 from ..engine.speed import measure_speed
 from ..engine.supervisor import EngineState, default_slot_save_dir
+from ..engine.transport import EngineTransport
 from ..errors import (
     ConfigError,
     EngineAbandoned,
@@ -616,7 +617,8 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
     state_dir.mkdir(parents=True, exist_ok=True)
     sessions = await trio.to_thread.run_sync(SessionKeys.load, state_dir)
     health = await gate.device_health(max_age=0)
-    transport = httpx.AsyncHTTPTransport(limits=limits)  # one pool: every engine call
+    # one transport for every engine call: the pool, and the lean path for streams
+    transport = EngineTransport(httpx.AsyncHTTPTransport(limits=limits))
     async with (
         unwrapping(),
         httpx.AsyncClient(transport=transport, timeout=httpx.Timeout(30.0)) as http,

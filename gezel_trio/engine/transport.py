@@ -1,0 +1,214 @@
+"""``EngineTransport``: the httpx transport of every engine call, with a lean path for
+the requests that use a connection once.
+
+llama-server closes the connection after every streamed answer, so each completion
+(all of them are streamed from the engine) opens a TCP connection, sends one request,
+reads one answer and closes. httpx's pool (httpcore) does that with machinery made for
+connections that live on: a pool lookup and its locks, a connection object per
+request, a trace and a timeout scope around every read and write, the request's head
+and body in two writes. Measured on a streamed 1-token completion against llama-server
+(``python -m benchmarks.transport_cost``), that costs the client 0.99 ms of CPU per
+request; h11 over a bare trio socket costs 0.61, and this transport 0.72.
+
+So a request that says ``Connection: close`` (the caller promises it will not reuse
+the connection: :meth:`EngineClient.stream <.client.EngineClient.stream>` does) goes
+over a connection of its own, driven by h11 directly: one write for the head and the
+body, reads until the answer ends, and the socket closed with the response. Every other
+request goes to the pool, unchanged.
+
+What the lean path keeps of httpx's contract, so that the client's retry rule and error
+map need not know which path a request took:
+
+- errors are httpx's: ``ConnectError``/``ConnectTimeout`` before the connection is up,
+  ``WriteError``/``WriteTimeout`` while sending, ``ReadError``/``ReadTimeout`` while
+  reading, ``RemoteProtocolError`` for an answer that breaks HTTP or ends early;
+- the request's ``timeout`` extension bounds the connect, each write and each read, as
+  httpcore's does; its ``trace`` extension hears ``connection.connect_tcp.complete`` (a
+  fresh connection: never retried) and ``http11.receive_response_headers.complete``;
+- the response is an ``httpx.Response`` whose stream yields the body's bytes as they
+  arrive (de-chunked) and whose ``aclose`` closes the socket at once.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from types import TracebackType
+from typing import Any
+
+import h11
+import httpx
+import trio
+
+__all__ = ["EngineTransport"]
+
+_READ_SIZE = 64 * 1024
+
+Trace = Callable[[str, Mapping[str, Any]], Awaitable[None]]
+
+
+def _uses_connection_once(request: httpx.Request) -> bool:
+    value = request.headers.get("connection")
+    return value is not None and value.lower() == "close"
+
+
+def _seconds(timeouts: Mapping[str, float | None], key: str) -> float:
+    value = timeouts.get(key)
+    return math.inf if value is None else value
+
+
+class EngineTransport(httpx.AsyncBaseTransport):
+    """``pool`` for every request, but one that says ``Connection: close``, which goes
+    over a connection of its own (see the module docstring). Closing it closes ``pool``."""
+
+    def __init__(self, pool: httpx.AsyncBaseTransport) -> None:
+        self._pool = pool
+
+    def __repr__(self) -> str:
+        return f"<EngineTransport pool={self._pool!r}>"
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """Send ``request`` and return the response once its head has arrived.
+        Cancellation closes the connection (the lean path's) and propagates."""
+        if not _uses_connection_once(request) or request.url.scheme != "http":
+            return await self._pool.handle_async_request(request)
+        return await _send_once(request)
+
+    async def aclose(self) -> None:
+        await self._pool.aclose()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc_value: BaseException | None = None,
+        traceback: TracebackType | None = None,
+    ) -> None:
+        await self.aclose()
+
+
+async def _send_once(request: httpx.Request) -> httpx.Response:
+    timeouts: Mapping[str, float | None] = request.extensions.get("timeout", {})
+    trace: Trace | None = request.extensions.get("trace")
+    url = request.url
+    port = url.port or 80
+    try:
+        with trio.fail_after(_seconds(timeouts, "connect")):
+            stream = await _connect(url.host, port)
+    except trio.TooSlowError as exc:
+        raise httpx.ConnectTimeout(f"no connection within {timeouts.get('connect')}s") from exc
+    except OSError as exc:
+        raise httpx.ConnectError(str(exc)) from exc
+    if trace is not None:
+        await trace("connection.connect_tcp.complete", {"return_value": stream})
+    connection = _OneShot(stream, timeouts)
+    try:
+        body = await request.aread()
+        await connection.send(request, body)
+        head = await connection.receive_head()
+        if trace is not None:
+            await trace("http11.receive_response_headers.complete", {})
+    except BaseException:
+        await connection.aclose()
+        raise
+    return httpx.Response(
+        head.status_code,
+        headers=head.headers,
+        stream=connection,
+        extensions={"http_version": b"HTTP/1.1", "reason_phrase": head.reason},
+    )
+
+
+async def _connect(host: str, port: int) -> trio.SocketStream:
+    """A TCP connection to ``host``: an address is connected to directly (what
+    :func:`trio.open_tcp_stream` does for a name, racing its addresses, costs a task);
+    cancellation closes the socket."""
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:
+        return await trio.open_tcp_stream(host, port)
+    sock = trio.socket.socket(family, socket.SOCK_STREAM)
+    try:
+        await sock.connect((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketStream(sock)
+
+
+class _OneShot(httpx.AsyncByteStream):
+    """One request and its answer on a connection of their own; the answer's body is
+    this stream, and closing it closes the connection."""
+
+    def __init__(self, stream: trio.SocketStream, timeouts: Mapping[str, float | None]) -> None:
+        self._stream = stream
+        self._h11 = h11.Connection(h11.CLIENT)
+        self._read_s = _seconds(timeouts, "read")
+        self._write_s = _seconds(timeouts, "write")
+        self._read_timeout = timeouts.get("read")
+
+    async def send(self, request: httpx.Request, body: bytes) -> None:
+        target = request.url.raw_path
+        head = h11.Request(method=request.method, target=target, headers=request.headers.raw)
+        try:
+            parts = [self._h11.send(head)]
+            if body:
+                parts.append(self._h11.send(h11.Data(data=body)))
+            parts.append(self._h11.send(h11.EndOfMessage()))
+        except h11.LocalProtocolError as exc:
+            raise httpx.LocalProtocolError(str(exc)) from exc
+        try:
+            with trio.fail_after(self._write_s):
+                await self._stream.send_all(b"".join(p for p in parts if p))
+        except trio.TooSlowError as exc:
+            raise httpx.WriteTimeout("the engine took nothing of the request in time") from exc
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise httpx.WriteError(str(exc)) from exc
+
+    async def _next_event(self) -> Any:
+        while True:
+            try:
+                event = self._h11.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise httpx.RemoteProtocolError(str(exc)) from exc
+            if event is not h11.NEED_DATA:
+                return event
+            try:
+                with trio.fail_after(self._read_s):
+                    data = await self._stream.receive_some(_READ_SIZE)
+            except trio.TooSlowError as exc:
+                raise httpx.ReadTimeout(
+                    f"the engine sent nothing for {self._read_timeout}s"
+                ) from exc
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                raise httpx.ReadError(str(exc)) from exc
+            if not data and self._h11.their_state is h11.SEND_RESPONSE:
+                raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+            try:
+                self._h11.receive_data(data)
+            except h11.RemoteProtocolError as exc:
+                raise httpx.RemoteProtocolError(str(exc)) from exc
+
+    async def receive_head(self) -> h11.Response:
+        while True:
+            event = await self._next_event()
+            if isinstance(event, h11.Response):
+                return event
+            if isinstance(event, h11.ConnectionClosed):
+                raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+            # an informational response (1xx): the answer's head is still to come
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        while True:
+            event = await self._next_event()
+            if isinstance(event, h11.Data):
+                yield bytes(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                return
+            elif isinstance(event, h11.ConnectionClosed):
+                raise httpx.RemoteProtocolError("the engine closed the connection mid-answer")
+
+    async def aclose(self) -> None:
+        """Close the connection at once (no checkpoint needed: safe while cancelled)."""
+        await trio.aclose_forcefully(self._stream)
