@@ -102,6 +102,9 @@ class FakeLane:
     async def wait_failed(self) -> None:
         await trio.sleep_forever()
 
+    def resident_now(self) -> bool:
+        return self.gate is None or self.gate.is_set()
+
     async def ensure_resident(self) -> None:
         if self.gate is not None:
             await self.gate.wait()

@@ -163,6 +163,9 @@ class FakeLane:
     async def wait_failed(self) -> None:
         await self.failed.wait()
 
+    def resident_now(self) -> bool:
+        return self.ready and not self.fail_loads
+
     async def ensure_resident(self) -> None:
         self.ensure_calls.append(trio.current_time())
         if self.fail_loads:
@@ -432,6 +435,27 @@ async def test_open_turn_admits_a_late_same_model_job_at_once(
     assert a3.start == t0 + 4.5
     assert len(a.loads) == 1 and a.generation == 1  # the engine never switched
     assert {a1.slot, a2.slot} == {0, 1}
+
+
+async def test_a_job_for_an_idle_resident_engine_is_granted_by_the_pass_that_sees_it(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    # An idle turn forgets that its engine was loaded. A job that finds the engine
+    # still resident needs no load: it is granted by the pass that sees it, with no
+    # ensure_resident call and no load task (which would cost another pass).
+    a = FakeLane(pool, "a", parallel=2, load_time=0.5)
+    async with running({"a": a}) as h:
+        a1 = h.submit(a, duration=1.0)
+        a2 = h.submit(a, at=5.0, duration=1.0)  # a1 is done, the engine idle, resident
+    assert a1.error is None and a2.error is None
+    assert len(a.ensure_calls) == 1 and len(a.loads) == 1
+    assert a2.start == a2.submitted
+
+    # an engine that is not resident any more is loaded again, as before
+    pool.resident.clear()
+    async with running({"a": a}) as h:
+        h.submit(a, duration=1.0)
+    assert len(a.ensure_calls) == 2 and len(a.loads) == 2
 
 
 # --------------------------------------------------------------------------- 4. fairness

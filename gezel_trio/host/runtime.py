@@ -228,6 +228,10 @@ class ModelRuntime:
                 self.metrics.lease_wait(time.perf_counter() - t0)
             yield lease
 
+    def resident_now(self) -> bool:
+        """Ready, with no restart left to count (:meth:`ensure_resident` counts it)."""
+        return self.ready and self.engine.crashes == self._crashes_seen
+
     async def ensure_resident(self) -> None:
         """Make this model's engine resident and ready (evicting others in swap mode).
 

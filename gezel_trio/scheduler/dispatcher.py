@@ -43,7 +43,7 @@ from gezel_trio.errors import (
     UnknownModel,
 )
 from gezel_trio.kv.prefix import Prefix
-from gezel_trio.scheduler.admission import Admit, Load, RunExclusive
+from gezel_trio.scheduler.admission import Action, Admit, Load, RunExclusive
 from gezel_trio.scheduler.jobs import (
     JOB_KINDS,
     Grant,
@@ -319,10 +319,21 @@ class Scheduler:
     # ------------------------------------------------------------------ job lifecycle
 
     def _enqueue(self, job: _TrioJob) -> None:
+        """Queue ``job``. A job that finds nobody else waiting, for a model whose turn
+        is open, is decided at once, by a pass run here: a lone job joining a running
+        turn is what the dispatcher would decide too, and this saves the two task
+        switches of a handoff to it. Any other job is left to the dispatcher, which
+        decides for all of a tick's arrivals together (a turn started for the first
+        of them would leave out the others)."""
         if self._closed or self._nursery is None:
             raise SchedulerClosed("the scheduler is not running")
-        self._policy.enqueue(job, now=trio.current_time())
-        self._wake()
+        policy = self._policy
+        alone = policy.queued == 0 and policy.is_turn(job.model_id)
+        policy.enqueue(job, now=trio.current_time())
+        if alone:
+            self._pass()
+        if not alone or job.state is JobState.QUEUED or self._poll_at is not None:
+            self._wake()  # (a pass that granted the job left the dispatcher nothing to do)
 
     def _withdraw(self, job: _TrioJob) -> None:
         """The caller was cancelled while waiting for its grant."""
@@ -426,6 +437,36 @@ class Scheduler:
             self._poll_at = None
             self._pass()
 
+    def _plan(self) -> list[Action]:
+        """The policy's plan, with every load of an engine that is resident already
+        (:meth:`~.lanes.EngineLane.resident_now`: a model idle since its last request)
+        settled on the spot and planned again: its jobs are admitted in this pass,
+        where a load task would have cost a task and another pass before the grant.
+        What a plan marked (other loads, exclusive jobs) is kept; admissions come
+        from the last plan."""
+        planned: list[Action] = []
+        for _ in range(len(self._lanes) + 1):
+            actions = self._policy.plan()
+            settled = [
+                a
+                for a in actions
+                if isinstance(a, Load)
+                and (lane := self._lanes.get(a.model_id)) is not None
+                and lane.resident_now()
+            ]
+            if not settled:
+                break
+            for load in settled:
+                self._policy.load_done(load.model_id)
+            planned += [
+                a
+                for a in actions
+                if not isinstance(a, Admit) and not any(a is load for load in settled)
+            ]
+        else:  # pragma: no cover - each round settles another model's load
+            actions = self._policy.plan()
+        return [*planned, *actions]
+
     def _poll_later(self, at: float) -> None:
         if self._poll_at is None or at < self._poll_at:
             self._poll_at = at
@@ -440,7 +481,7 @@ class Scheduler:
         started = time.perf_counter()
         fresh = self._reconciler.take_samples()
         now = trio.current_time()
-        for action in policy.plan():
+        for action in self._plan():
             if isinstance(action, Admit):
                 model_id = action.model_id
                 lane = self._lanes[model_id]
