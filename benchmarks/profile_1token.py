@@ -3,7 +3,7 @@
     python -m benchmarks.profile_1token [--seconds 15] [--path /v1/chat/completions] [--label after]
 
 Runs ``gezel-trio serve`` as a user would (its own process, the generated ``tiny``
-model, one slot), sends 1-token requests to it back to back over one keep-alive
+model, 8 slots as in proxy_overhead), sends 1-token requests to it back to back over one keep-alive
 connection, and records the host process with ``py-spy record`` meanwhile (the
 engine is another process: only the host's own Python shows). Writes
 ``benchmarks/results/flame-1token-<route>[-<label>].svg`` and prints the request rate and the
@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=15.0)
     ap.add_argument("--path", default="/v1/chat/completions", choices=sorted(BODIES))
     ap.add_argument("--format", default="flamegraph", choices=("flamegraph", "raw"))
+    ap.add_argument("--parallel", type=int, default=8, help="slots (proxy_overhead's engine has 8)")
     ap.add_argument(
         "--label", default="", help="appended to the figure's name (keep an earlier one)"
     )
@@ -60,7 +61,7 @@ def main() -> None:
     out = RESULTS / f"flame-1token-{name}{label}.{suffix}"
     RESULTS.mkdir(parents=True, exist_ok=True)
     model = write_demo_model(RESULTS / "tmp" / "tiny.gguf", size="tiny")
-    spec = [{"id": "tiny", "path": str(model), "parallel": 1, "ctx_per_slot": 512}]
+    spec = [{"id": "tiny", "path": str(model), "parallel": args.parallel, "ctx_per_slot": 512}]
     body = BODIES[args.path]
     with host_process(spec) as (base, host), httpx.Client(base_url=base, timeout=60) as client:
         for _ in range(50):  # the engine starts, then warm
