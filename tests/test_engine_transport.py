@@ -190,6 +190,7 @@ async def test_an_answer_cut_midway_is_a_crash_after_what_came() -> None:
             await client.stream("/completion", {}, out)
     assert isinstance(out.items[0], UpstreamHead)
     assert out.body.startswith(EVENTS[0])
+    assert client._transport.open_once == 0  # type: ignore[attr-defined]
     assert len(server.requests) == 1
 
 
@@ -232,6 +233,7 @@ async def test_a_caller_that_leaves_closes_the_connection_at_once() -> None:
             out_sink.send = leave_after_first_event  # type: ignore[method-assign]
             await client.stream("/completion", {}, out_sink)
         assert scope.cancelled_caught
+        assert client._transport.open_once == 0  # type: ignore[attr-defined]
         with trio.fail_after(5):  # the server sees the close at once, not after 30 s
             await server.wait_closed_by_client(1)
     assert out.body == EVENTS[0]

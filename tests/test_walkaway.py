@@ -19,6 +19,7 @@ import trio
 
 from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
+from gezel_trio.engine.transport import EngineTransport
 from gezel_trio.host import Host
 
 from .conftest import make_config, running
@@ -82,7 +83,10 @@ async def _nothing_left(host: Host, *, within: float) -> None:
         return await slots_busy(base_url) == []
 
     await wait_until(idle, within=within, what="engine slots idle")
-    pool = host.models["tiny"].client._transport._pool  # type: ignore[attr-defined]
+    transport = host.models["tiny"].client._transport
+    assert isinstance(transport, EngineTransport)
+    assert transport.open_once == 0  # every stream's connection was closed
+    pool = transport.pool._pool  # type: ignore[attr-defined]
     assert all((not c.is_closed() and c.is_idle()) or c.is_closed() for c in pool.connections)
 
 

@@ -64,20 +64,55 @@ class EngineTransport(httpx.AsyncBaseTransport):
     over a connection of its own (see the module docstring). Closing it closes ``pool``."""
 
     def __init__(self, pool: httpx.AsyncBaseTransport) -> None:
-        self._pool = pool
+        self.pool = pool
+        self.open_once = 0
+        """Connections of their own open now (a stream in flight holds one)."""
 
     def __repr__(self) -> str:
-        return f"<EngineTransport pool={self._pool!r}>"
+        return f"<EngineTransport open_once={self.open_once} pool={self.pool!r}>"
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         """Send ``request`` and return the response once its head has arrived.
         Cancellation closes the connection (the lean path's) and propagates."""
         if not _uses_connection_once(request) or request.url.scheme != "http":
-            return await self._pool.handle_async_request(request)
-        return await _send_once(request)
+            return await self.pool.handle_async_request(request)
+        return await self._send_once(request)
 
     async def aclose(self) -> None:
-        await self._pool.aclose()
+        await self.pool.aclose()
+
+    async def _send_once(self, request: httpx.Request) -> httpx.Response:
+        """The lean path: connect, send, read the head. Raises httpx's errors;
+        cancellation or a failure closes the connection."""
+        timeouts: Mapping[str, float | None] = request.extensions.get("timeout", {})
+        trace: Trace | None = request.extensions.get("trace")
+        url = request.url
+        port = url.port or 80
+        try:
+            with trio.fail_after(_seconds(timeouts, "connect")):
+                stream = await _connect(url.host, port)
+        except trio.TooSlowError as exc:
+            raise httpx.ConnectTimeout(f"no connection within {timeouts.get('connect')}s") from exc
+        except OSError as exc:
+            raise httpx.ConnectError(str(exc)) from exc
+        connection = _OneShot(stream, timeouts, self)
+        try:
+            if trace is not None:
+                await trace("connection.connect_tcp.complete", {"return_value": stream})
+            body = await request.aread()
+            await connection.send(request, body)
+            head = await connection.receive_head()
+            if trace is not None:
+                await trace("http11.receive_response_headers.complete", {})
+        except BaseException:
+            await connection.aclose()
+            raise
+        return httpx.Response(
+            head.status_code,
+            headers=head.headers,
+            stream=connection,
+            extensions={"http_version": b"HTTP/1.1", "reason_phrase": head.reason},
+        )
 
     async def __aexit__(
         self,
@@ -86,38 +121,6 @@ class EngineTransport(httpx.AsyncBaseTransport):
         traceback: TracebackType | None = None,
     ) -> None:
         await self.aclose()
-
-
-async def _send_once(request: httpx.Request) -> httpx.Response:
-    timeouts: Mapping[str, float | None] = request.extensions.get("timeout", {})
-    trace: Trace | None = request.extensions.get("trace")
-    url = request.url
-    port = url.port or 80
-    try:
-        with trio.fail_after(_seconds(timeouts, "connect")):
-            stream = await _connect(url.host, port)
-    except trio.TooSlowError as exc:
-        raise httpx.ConnectTimeout(f"no connection within {timeouts.get('connect')}s") from exc
-    except OSError as exc:
-        raise httpx.ConnectError(str(exc)) from exc
-    if trace is not None:
-        await trace("connection.connect_tcp.complete", {"return_value": stream})
-    connection = _OneShot(stream, timeouts)
-    try:
-        body = await request.aread()
-        await connection.send(request, body)
-        head = await connection.receive_head()
-        if trace is not None:
-            await trace("http11.receive_response_headers.complete", {})
-    except BaseException:
-        await connection.aclose()
-        raise
-    return httpx.Response(
-        head.status_code,
-        headers=head.headers,
-        stream=connection,
-        extensions={"http_version": b"HTTP/1.1", "reason_phrase": head.reason},
-    )
 
 
 async def _connect(host: str, port: int) -> trio.SocketStream:
@@ -141,8 +144,15 @@ class _OneShot(httpx.AsyncByteStream):
     """One request and its answer on a connection of their own; the answer's body is
     this stream, and closing it closes the connection."""
 
-    def __init__(self, stream: trio.SocketStream, timeouts: Mapping[str, float | None]) -> None:
+    def __init__(
+        self,
+        stream: trio.SocketStream,
+        timeouts: Mapping[str, float | None],
+        transport: EngineTransport,
+    ) -> None:
         self._stream = stream
+        self._transport: EngineTransport | None = transport
+        transport.open_once += 1
         self._h11 = h11.Connection(h11.CLIENT)
         self._read_s = _seconds(timeouts, "read")
         self._write_s = _seconds(timeouts, "write")
@@ -210,5 +220,8 @@ class _OneShot(httpx.AsyncByteStream):
                 raise httpx.RemoteProtocolError("the engine closed the connection mid-answer")
 
     async def aclose(self) -> None:
-        """Close the connection at once (no checkpoint needed: safe while cancelled)."""
+        """Close the connection at once (safe while cancelled); again is a no-op."""
+        if self._transport is not None:
+            self._transport.open_once -= 1
+            self._transport = None
         await trio.aclose_forcefully(self._stream)
