@@ -85,6 +85,11 @@ BENCHES = (
     Bench("proxy_overhead", _module("proxy_overhead"), _module("proxy_overhead", "--quick")),
     Bench("dispatcher_cost", _module("dispatcher_cost"), _module("dispatcher_cost")),
     Bench(
+        "transport_cost",
+        _module("transport_cost"),
+        _module("transport_cost", "--requests", "50", "--rounds", "1"),
+    ),
+    Bench(
         "swap_time",
         _module("swap_time", "--size", "small"),
         _module("swap_time", "--size", "tiny", "--runs", "1"),
