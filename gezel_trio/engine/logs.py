@@ -43,14 +43,22 @@ class LogRing:
         lines = [ln.strip() for ln in self.tail(max(n * 4, n)) if ln.strip()]
         return " | ".join(lines[-n:])
 
-    async def pump(self, stream: trio.abc.ReceiveStream, *, max_line: int = 4096) -> None:
-        """Read ``stream`` to EOF, appending decoded lines. Returns on EOF or stream error."""
+    async def pump(
+        self, stream: trio.abc.ReceiveStream, *, max_line: int = 4096, gather_s: float = 0.0
+    ) -> None:
+        """Read ``stream`` to EOF, appending decoded lines. Returns on EOF or stream error.
+
+        ``gather_s``: after each read, wait that long before the next, so that the lines
+        a writer writes one by one (llama-server: several per request) come in one read
+        instead of a wakeup each; the pipe holds them meanwhile. Cancellation stops it."""
         buf = b""
         try:
             while True:
                 chunk = await stream.receive_some(65536)
                 if not chunk:
                     break
+                if gather_s > 0:
+                    await trio.sleep(gather_s)
                 buf += chunk
                 *lines, buf = buf.split(b"\n")
                 for raw in lines:

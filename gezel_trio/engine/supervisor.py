@@ -76,6 +76,10 @@ ArgvBuilder = Callable[[int], tuple[Sequence[str], int]]
 """Given a port, the argv to run and the parallel slots it configures."""
 ReservationFactory = Callable[[], AbstractAsyncContextManager[object]]
 
+LOG_GATHER_S = 0.02
+"""Seconds the log pump waits after each read of the engine's output, so that the lines
+of one request come in one read (see :meth:`LogRing.pump <.logs.LogRing.pump>`)."""
+
 
 @asynccontextmanager
 async def no_reservation() -> AsyncIterator[None]:
@@ -531,7 +535,7 @@ class Engine:
 
     async def _pump_log(self, stream: trio.abc.ReceiveStream, done: trio.Event) -> None:
         try:
-            await self.log.pump(stream)
+            await self.log.pump(stream, gather_s=LOG_GATHER_S)
         finally:
             done.set()
 
