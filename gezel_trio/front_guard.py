@@ -29,12 +29,13 @@ it is written against hypercorn 0.18.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import math
 import socket
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -202,6 +203,8 @@ class _GuardedTCPServer(TCPServer):
         self.write_started: float | None = None
         self._peer = ""
         self._held = b""
+        self._on_leave: set[trio.CancelScope] = set()
+        self._reading_done = False
 
     async def run(self) -> None:
         """Serve the connection until the client or the server closes it. Cancellation
@@ -211,18 +214,36 @@ class _GuardedTCPServer(TCPServer):
                 self._socket_stream.socket.family, self._socket_stream.socket.getpeername()
             )
         self._guard._add(self)
+        _connection.set(self)  # the app's tasks, spawned from this one, see it
         try:
             await super().run()
         finally:
             self._guard._discard(self)
 
+    @contextlib.contextmanager
+    def cancelled_on_leave(self) -> Iterator[trio.CancelScope]:
+        """A cancel scope that is cancelled when the client closes the connection (or
+        the connection is reset) while the block runs."""
+        with trio.CancelScope() as scope:
+            if self._reading_done:
+                scope.cancel()
+            self._on_leave.add(scope)
+            try:
+                yield scope
+            finally:
+                self._on_leave.discard(scope)
+
     async def _read_data(self) -> None:
         """Read the client's bytes until it closes its end (or the socket closes), then
-        stop the idle timer: hypercorn leaves it running, so the connection's task and
-        socket outlived a client that had gone, for up to ``keep_alive_timeout`` (a
-        client opening and closing connections piled them up). Cancellation: as
-        hypercorn's (the read stops)."""
+        cancel the scopes of :meth:`cancelled_on_leave` and stop the idle timer:
+        hypercorn leaves it running, so the connection's task and socket outlived a
+        client that had gone, for up to ``keep_alive_timeout`` (a client opening and
+        closing connections piled them up). Cancellation: as hypercorn's (the read
+        stops)."""
         await super()._read_data()
+        self._reading_done = True
+        for scope in self._on_leave:
+            scope.cancel()
         with trio.move_on_after(_BOOKKEEPING_S, shield=True):
             await self.idle_task.stop()
 
@@ -302,6 +323,21 @@ class _GuardedTCPServer(TCPServer):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
         sock.close()
         return 1
+
+
+_connection: contextvars.ContextVar[_GuardedTCPServer | None] = contextvars.ContextVar(
+    "gezel_front_connection", default=None
+)
+
+
+def cancelled_when_client_leaves() -> contextlib.AbstractContextManager[trio.CancelScope] | None:
+    """For the request being served in this task: a cancel scope (a context manager)
+    that is cancelled when its client closes the connection, or None when the request
+    did not come through :func:`serve_front` (its server must tell the app of a
+    disconnect the ASGI way). It costs no task: the connection's own read loop sees
+    the close."""
+    connection = _connection.get()
+    return None if connection is None else connection.cancelled_on_leave()
 
 
 def _body_follows(data: bytes) -> bool:

@@ -33,6 +33,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestTimeout
 
 from ..errors import GezelError
+from ..front_guard import cancelled_when_client_leaves
 from ..host import Host
 from . import anthropic, native, openai, responses
 from .app import with_cors
@@ -117,18 +118,29 @@ class LeanFront:
         except _ClientLeft:
             return
         sent = False
-        async with trio.open_nursery() as nursery:
-            if exchange.raw is not None:  # the whole body came: what follows is a disconnect
-                nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
-            if resp is None:
-                resp = await _answer(route)
-            resp = with_cors(resp, headers.get("origin"), self.host.config.server.cors_origins)
-            resp = await record_answer(exchange, resp, self._metrics)
-            await _send_response(send, resp)
-            sent = True
-            nursery.cancel_scope.cancel()
+        watched = cancelled_when_client_leaves()
+        if watched is not None:  # served by serve_front: its connection cancels the scope
+            with watched:
+                sent = await self._respond(route, exchange, resp, send)
+        else:  # another server: a task waits for the ASGI disconnect
+            async with trio.open_nursery() as nursery:
+                if exchange.raw is not None:  # the whole body came: next is a disconnect
+                    nursery.start_soon(_cancel_on_disconnect, receive, nursery.cancel_scope)
+                sent = await self._respond(route, exchange, resp, send)
+                nursery.cancel_scope.cancel()
         if not sent:  # the client left: its disconnect cancelled the request
             self._walked_away += 1
+
+    async def _respond(
+        self, route: Route, exchange: Exchange, resp: Response | None, send: ASGISend
+    ) -> bool:
+        """Answer (``resp``, or the route's) and send it; True once it is sent."""
+        if resp is None:
+            resp = await _answer(route)
+        resp = with_cors(resp, exchange.headers.get("origin"), self.host.config.server.cors_origins)
+        resp = await record_answer(exchange, resp, self._metrics)
+        await _send_response(send, resp)
+        return True
 
     async def _read_body(self, exchange: Exchange, receive: ASGIReceive) -> Response | None:
         """Read the body into ``exchange.raw``; the refusal when it is over
