@@ -85,6 +85,11 @@ BENCHES = (
     Bench("proxy_overhead", _module("proxy_overhead"), _module("proxy_overhead", "--quick")),
     Bench("dispatcher_cost", _module("dispatcher_cost"), _module("dispatcher_cost")),
     Bench(
+        "engine_disconnect",
+        _module("engine_disconnect"),
+        _module("engine_disconnect", "--repeats", "1"),
+    ),
+    Bench(
         "transport_cost",
         _module("transport_cost"),
         _module("transport_cost", "--requests", "50", "--rounds", "1"),
