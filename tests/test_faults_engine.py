@@ -606,6 +606,18 @@ async def test_port_taken_at_spawn_is_a_clear_503_then_recovers(
                 await wait_nothing_held(host)
 
 
+def test_port_in_use_sees_a_listener_and_nothing_else() -> None:
+    from gezel_trio.engine.ports import free_port, port_in_use
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        assert port_in_use(port)
+    assert not port_in_use(port)
+    assert not port_in_use(free_port())
+
+
 async def test_no_room_in_the_ledger_is_a_clear_503_then_recovers(
     tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
 ) -> None:

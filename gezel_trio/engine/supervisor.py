@@ -45,7 +45,7 @@ from .external import check_external, watch_external
 from .health import healthy_within, wait_healthy
 from .logs import LogRing
 from .pidfile import reap_orphan, remove_pidfile, write_pidfile
-from .ports import free_port
+from .ports import free_port, port_in_use
 from .process import Launcher, ProcessHandle, describe_exit_code, end_process, spawn_process
 from .stats import EngineStats
 
@@ -557,6 +557,13 @@ class Engine:
             # Its last words (why it exited) may still be in the pipe.
             with trio.move_on_after(2):
                 await log_done.wait()
+            if self.port is not None and port_in_use(self.port):
+                # the free-port race, lost: say so, whatever the engine managed to log
+                # (llama-server logs from a thread, and may exit before it wrote a line)
+                self.log.append(
+                    f"[gezel] port {self.port} is taken by another process "
+                    "(address already in use): the engine could not bind it"
+                )
             code = proc.returncode
             raise EngineFailed(
                 f"engine for model {self.model_id!r} exited during start "
