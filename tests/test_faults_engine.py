@@ -180,6 +180,10 @@ async def test_sigkill_while_queued_requests_wait(
                 await wait_until(
                     lambda: _running(host) == 1, within=10, what="the long request running"
                 )
+                # killed once its answer has begun (before that, the host sends it again)
+                base_url = engine.base_url
+                assert base_url is not None
+                await wait_until(lambda: _decoding(base_url), within=10, what="tokens generated")
                 for _ in range(3):
                     nursery.start_soon(one, {**CHAT, "max_tokens": 4})
                 scheduler = host.scheduler
