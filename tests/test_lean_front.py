@@ -173,6 +173,50 @@ async def test_a_unary_client_that_walks_away_frees_its_slot(
             assert served.lean.statistics().walked_away == 1
 
 
+async def test_a_stream_the_front_could_not_send_ends_its_job_at_once(
+    tiny_model: Path,
+    state_dir: Path,
+    engine_binary: EngineBinary,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stream whose response could not be sent (here its first write fails; in life, the
+    client left between the route's answer and that write) has its body closed by the
+    front, the route's body under the metrics' wrapper included: the job, its slot and the
+    engine's generation end at once, not after ``stream_start_timeout`` (30 s here), when
+    the service's watchdog would end them."""
+    import gezel_trio.api.lean as lean_module
+
+    cfg = _cfg(tiny_model, state_dir, engine_binary, stream_start_timeout=30.0)
+    long = {**CHAT, "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    real_send = lean_module._send_response
+
+    async def failing_send(send: Any, resp: Any) -> None:
+        if resp.mimetype == "text/event-stream":
+            raise RuntimeError("the first write failed")
+        await real_send(send, resp)
+
+    with trio.fail_after(120):
+        async with (
+            open_served(cfg) as served,
+            httpx.AsyncClient(base_url=served.urls[0], timeout=60) as client,
+        ):
+            host = served.host
+            assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+            base_url = host.models["tiny"].engine.base_url
+            assert base_url is not None
+            monkeypatch.setattr(lean_module, "_send_response", failing_send)
+            t0 = time.monotonic()
+            r = await client.post("/v1/chat/completions", json=long)
+            assert r.status_code == 500  # hypercorn's, for an app that failed before its head
+
+            async def idle() -> bool:
+                return await slots_busy(base_url) == []
+
+            await wait_nothing_held(host, within=5)
+            await wait_until(idle, within=5, what="the engine idle")
+            assert time.monotonic() - t0 < 5
+
+
 async def test_each_completion_opens_one_upstream_connection(
     tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
 ) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import trio
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope, Scope
 from quart import Response
-from quart.wrappers.response import DataBody
+from quart.wrappers.response import DataBody, ResponseBody
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException, RequestTimeout
 
@@ -134,12 +134,22 @@ class LeanFront:
     async def _respond(
         self, route: Route, exchange: Exchange, resp: Response | None, send: ASGISend
     ) -> bool:
-        """Answer (``resp``, or the route's) and send it; True once it is sent."""
+        """Answer (``resp``, or the route's) and send it; True once it is sent. A
+        response that could not be sent (the client left, or a failure) has its body
+        closed at once: a stream's job ends then, not at its ``stream_start_timeout``."""
         if resp is None:
             resp = await _answer(route)
-        resp = with_cors(resp, exchange.headers.get("origin"), self.host.config.server.cors_origins)
-        resp = await record_answer(exchange, resp, self._metrics)
-        await _send_response(send, resp)
+        route_body = resp.response  # record_answer wraps a stream's in a generator
+        try:
+            cors = self.host.config.server.cors_origins
+            resp = with_cors(resp, exchange.headers.get("origin"), cors)
+            resp = await record_answer(exchange, resp, self._metrics)
+            await _send_response(send, resp)
+        except BaseException:
+            # a generator that never started ignores its close: close what it wraps too
+            await _close_body(resp.response)
+            await _close_body(route_body)
+            raise
         return True
 
     async def _read_body(self, exchange: Exchange, receive: ASGIReceive) -> Response | None:
@@ -197,6 +207,14 @@ def _http_error(status: int, exchange: Exchange, description: str) -> Response:
         status, "POST", exchange.path, description, max_body_bytes=max_body
     )
     return error_response(status, message)
+
+
+async def _close_body(body: ResponseBody) -> None:
+    """Close a response's body (shielded: it ends a stream's job, and waits on nothing);
+    again is a no-op."""
+    if not isinstance(body, DataBody):
+        with trio.CancelScope(shield=True):
+            await body.__aexit__(None, None, None)  # type: ignore[arg-type]
 
 
 async def _send_response(send: ASGISend, resp: Response) -> None:

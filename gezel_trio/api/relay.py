@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Protocol
 
 import trio
@@ -315,7 +315,7 @@ async def _stream(
             _note_for_log(job.session, job.grant)
             return shaper.failure(head.status, head.content_type, b"".join(chunks))
 
-        async def body_iter() -> AsyncIterator[bytes]:
+        async def body_iter() -> AsyncGenerator[bytes, None]:
             job.reading.set()
             try:
                 async with job.recv:
@@ -326,7 +326,7 @@ async def _stream(
 
         _note_for_log(job.session, job.grant, shaper)
         resp = Response(
-            body_iter(),
+            _JobBody(job, body_iter()),
             status=200,
             content_type=shaper.media_type,
             headers={**SSE_HEADERS, **_wait_header(job.grant)},
@@ -338,6 +338,30 @@ async def _stream(
     finally:
         if not handed_off:
             job.cancel()
+
+
+class _JobBody:
+    """A stream job's response body: the chunks of ``chunks``; closing it ends the job,
+    whether it was read or not. (The generator's own cleanup, which ends the job too,
+    never runs for a body that was never started: a front that could not send the
+    response closes it instead.)"""
+
+    __slots__ = ("_chunks", "_job")
+
+    def __init__(self, job: StreamJob, chunks: AsyncGenerator[bytes, None]) -> None:
+        self._job = job
+        self._chunks = chunks
+
+    def __aiter__(self) -> _JobBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        """End the job, then close the chunks (their cleanup, if they had started)."""
+        self._job.cancel()
+        await self._chunks.aclose()
 
 
 async def _relayed(recv: trio.MemoryReceiveChannel[Item], shaper: Shaper) -> AsyncIterator[bytes]:
@@ -389,7 +413,7 @@ def _waiting_stream(host: Host, job: StreamJob, shaper: Shaper) -> Response:
     dialect's error event."""
     interval = host.config.server.sse_keepalive_interval
 
-    async def body_iter() -> AsyncIterator[bytes]:
+    async def body_iter() -> AsyncGenerator[bytes, None]:
         job.reading.set()
         try:
             async with job.recv:
@@ -434,7 +458,12 @@ def _waiting_stream(host: Host, job: StreamJob, shaper: Shaper) -> Response:
 
     fields = _log_fields(job.session, None, shaper)
     current_exchange().log = fields
-    resp = Response(body_iter(), status=200, content_type=shaper.media_type, headers=SSE_HEADERS)
+    resp = Response(
+        _JobBody(job, body_iter()),
+        status=200,
+        content_type=shaper.media_type,
+        headers=SSE_HEADERS,
+    )
     resp.timeout = None
     host.completions.expect_reader(job)
     return resp
