@@ -290,3 +290,23 @@ class ThreadHost:
         assert self.host is not None
         host = self.host
         return self.call(lambda: held_summary(host))
+
+
+async def read_http_request(stream: trio.SocketStream) -> bytes | None:
+    """One HTTP/1.1 request read off ``stream`` (head and a ``Content-Length`` body),
+    for the few-line servers of the tests; None once the client closed its end."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = await stream.receive_some(65536)
+        if not chunk:
+            return None
+        buf += chunk
+    head, _, body = buf.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    while len(body) < length:
+        body += await stream.receive_some(65536)
+    return head + b"\r\n\r\n" + body

@@ -20,6 +20,8 @@ import trio
 from gezel_trio.engine.client import EngineClient
 from gezel_trio.errors import EngineCrashed, EngineTimeout
 
+from .fault_tools import read_http_request
+
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 
 # What the server does with the n-th request it reads (counted across connections):
@@ -40,24 +42,6 @@ class Endpoint:
         return EngineCrashed(f"crashed: {detail}")
 
 
-async def _read_request(stream: trio.SocketStream) -> bool:
-    buf = b""
-    while b"\r\n\r\n" not in buf:
-        chunk = await stream.receive_some(65536)
-        if not chunk:
-            return False
-        buf += chunk
-    head, _, body = buf.partition(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            length = int(value)
-    while len(body) < length:
-        body += await stream.receive_some(65536)
-    return True
-
-
 @asynccontextmanager
 async def serving(plan: Plan) -> AsyncIterator[Endpoint]:
     endpoint = Endpoint(base_url=None)
@@ -65,7 +49,7 @@ async def serving(plan: Plan) -> AsyncIterator[Endpoint]:
     async def handle(stream: trio.SocketStream) -> None:
         endpoint.connections += 1
         async with stream:
-            while await _read_request(stream):
+            while await read_http_request(stream) is not None:
                 endpoint.requests += 1
                 what = plan(endpoint.requests)
                 if what == "close":

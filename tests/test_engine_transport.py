@@ -23,6 +23,7 @@ from gezel_trio.engine.transport import EngineTransport
 from gezel_trio.errors import EngineCrashed, EngineTimeout
 
 from ._engine_bin import open_llama_server
+from .fault_tools import read_http_request
 
 CHUNKED_HEAD = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -59,24 +60,6 @@ class Server:
             await self._closed.wait()
 
 
-async def _read_request(stream: trio.SocketStream) -> bytes | None:
-    buf = b""
-    while b"\r\n\r\n" not in buf:
-        chunk = await stream.receive_some(65536)
-        if not chunk:
-            return None
-        buf += chunk
-    head, _, body = buf.partition(b"\r\n\r\n")
-    length = 0
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            length = int(value)
-    while len(body) < length:
-        body += await stream.receive_some(65536)
-    return head + b"\r\n\r\n" + body
-
-
 @asynccontextmanager
 async def serving(answer: Answer) -> AsyncIterator[Server]:
     server = Server()
@@ -85,7 +68,7 @@ async def serving(answer: Answer) -> AsyncIterator[Server]:
         server.connections += 1
         async with stream:
             try:
-                while (request := await _read_request(stream)) is not None:
+                while (request := await read_http_request(stream)) is not None:
                     server.requests.append(request)
                     await answer(stream)
             except trio.ClosedResourceError:
