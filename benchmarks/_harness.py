@@ -30,7 +30,14 @@ RESULTS = Path(os.environ.get("GEZEL_BENCH_RESULTS") or Path(__file__).resolve()
 """Where figures are written: ``benchmarks/results``, or ``$GEZEL_BENCH_RESULTS`` (``run_all
 --quick`` points it elsewhere, so smoke runs never overwrite the recorded figures)."""
 
-__all__ = ["free_port", "host_process", "median", "pct", "write_result"]
+__all__ = [
+    "free_port",
+    "host_process",
+    "llama_server_process",
+    "median",
+    "pct",
+    "write_result",
+]
 
 
 def pct(values: Sequence[float], p: float) -> float:
@@ -95,6 +102,41 @@ def host_process(
                 proc.wait(20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+@contextmanager
+def llama_server_process(*, parallel: int, ctx_size: int) -> Iterator[tuple[int, Path]]:
+    """Run a bare llama-server (the host's own resolution of the binary) on the generated
+    ``tiny`` model; yields its port and binary once ``/health`` answers 200. Always stops it."""
+    from gezel_bench.targets import resolve_llama_server
+    from gezel_trio.engine.demo_model import write_demo_model
+
+    engine = resolve_llama_server()
+    model = write_demo_model(RESULTS / "tmp" / "tiny.gguf", size="tiny")
+    port = free_port()
+    argv = [str(engine.path), "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--parallel", str(parallel), "--ctx-size", str(ctx_size), "--no-webui"]
+    proc = subprocess.Popen(
+        argv, env=dict(engine.env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not become healthy: {argv}")
+            time.sleep(0.1)
+        yield port, engine.path
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def write_result(name: str, payload: dict[str, Any]) -> Path:

@@ -23,16 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import subprocess
 import time
 from typing import Any
 
 import httpx
 
-from gezel_bench.targets import resolve_llama_server
-from gezel_trio.engine.demo_model import write_demo_model
-
-from ._harness import RESULTS, free_port, median, write_result
+from ._harness import llama_server_process, median, write_result
 
 PAUSES = (0.05, 0.3, 1.0, 2.5)
 
@@ -72,26 +68,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    engine = resolve_llama_server()
-    model = write_demo_model(RESULTS / "tmp" / "tiny.gguf", size="tiny")
-    port = free_port()
-    argv = [str(engine.path), "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--parallel", "2", "--ctx-size", "8192", "--no-webui"]
-    proc = subprocess.Popen(
-        argv, env=engine.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
     figures: dict[str, dict[str, float]] = {}
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("llama-server did not become healthy")
-            time.sleep(0.1)
+    with llama_server_process(parallel=2, ctx_size=8192) as (port, binary):
         print(f"{'case':36s} {'median s':>9s} {'max s':>7s}  (close -> slot idle)")
         for path in ("/completion", "/v1/chat/completions"):
             for stream in (True, False):
@@ -103,10 +81,7 @@ def main() -> None:
                 name = f"{path} stream={str(stream).lower()}"
                 figures[name] = {"median_s": median(delays), "max_s": max(delays)}
                 print(f"{name:36s} {median(delays):9.3f} {max(delays):7.3f}")
-    finally:
-        proc.terminate()
-        proc.wait(20)
-    setup = {"binary": str(engine.path), "repeats": args.repeats, "pauses_s": list(PAUSES)}
+    setup = {"binary": str(binary), "repeats": args.repeats, "pauses_s": list(PAUSES)}
     path = write_result("engine_disconnect", {"setup": setup, "cases": figures})
     print(f"wrote {path}")
 

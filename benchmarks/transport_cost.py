@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -30,11 +29,9 @@ import h11
 import httpx
 import trio
 
-from gezel_bench.targets import resolve_llama_server
-from gezel_trio.engine.demo_model import write_demo_model
 from gezel_trio.engine.transport import EngineTransport
 
-from ._harness import RESULTS, free_port, median, write_result
+from ._harness import llama_server_process, median, write_result
 
 PATH = "/v1/chat/completions"
 BODY = {
@@ -127,46 +124,18 @@ async def _measure(port: int, requests: int, rounds: int) -> dict[str, Any]:
     }
 
 
-async def _wait_healthy(base: str) -> None:
-    async with httpx.AsyncClient() as client:
-        with trio.fail_after(60):
-            while True:
-                try:
-                    if (await client.get(base + "/health")).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                await trio.sleep(0.1)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=800)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    engine = resolve_llama_server()
-    model = write_demo_model(RESULTS / "tmp" / "tiny.gguf", size="tiny")
-    port = free_port()
-    argv = [str(engine.path), "--model", str(model), "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--parallel", "8", "--ctx-size", "4096", "--no-webui"]
-    proc = subprocess.Popen(
-        argv, env=engine.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-
-        async def run() -> dict[str, Any]:
-            await _wait_healthy(f"http://127.0.0.1:{port}")
-            return await _measure(port, args.requests, args.rounds)
-
-        figures = trio.run(run)
-    finally:
-        proc.terminate()
-        proc.wait(20)
+    with llama_server_process(parallel=8, ctx_size=4096) as (port, binary):
+        figures = trio.run(_measure, port, args.requests, args.rounds)
     print(f"streamed 1-token chat, new connection each, {args.requests} x {args.rounds} rounds")
     print(f"{'client':20s} {'wall ms':>8s} {'client CPU ms':>14s}")
     for name, f in figures.items():
         print(f"{name:20s} {f['wall_ms']:8.2f} {f['client_cpu_ms']:14.3f}")
-    setup = {"binary": str(engine.path), "requests": args.requests, "rounds": args.rounds}
+    setup = {"binary": str(binary), "requests": args.requests, "rounds": args.rounds}
     path = write_result("transport_cost", {"setup": setup, "clients": figures})
     print(f"wrote {path}")
 
