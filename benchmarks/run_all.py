@@ -89,6 +89,7 @@ BENCHES = (
         _module("engine_disconnect"),
         _module("engine_disconnect", "--repeats", "1"),
     ),
+    Bench("front_cost", _module("front_cost"), _module("front_cost", "--requests", "100")),
     Bench(
         "transport_cost",
         _module("transport_cost"),
