@@ -1340,6 +1340,31 @@ async def test_an_idle_slot_is_saved_in_the_background_and_its_handoff_skips_the
     assert a.bleeds == []
 
 
+async def test_a_slot_whose_engine_failed_its_job_is_not_saved_in_the_background(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    """A job that ended because its engine timed out (or died) leaves its slot unsaved:
+    a save would only wait on that engine. One that ended well is saved, as before."""
+    from gezel_trio.errors import EngineTimeout
+
+    a = ParkingFakeLane(pool, "a", parallel=1, park_time=0.5)
+    async with running({"a": a}) as h:
+        s = h.scheduler
+
+        async def times_out(grant: Grant) -> None:
+            await trio.sleep(1.0)
+            raise EngineTimeout("the engine sent nothing for 1s")
+
+        with pytest.raises(EngineTimeout):
+            await s.submit("a", times_out, session="chat-1")
+        await trio.sleep(2.0)
+        assert s.statistics().parking["saved_idle"] == 0 and "chat-1" not in a.parked
+        assert a.holds == 0
+        h.submit(a, session="chat-1", duration=1.0)
+        await trio.sleep(3.0)
+    assert s.statistics().parking["saved_idle"] == 1 and "chat-1" in a.parked
+
+
 async def test_a_lone_owner_with_a_clean_slot_to_spare_is_not_saved_in_the_background(
     autojump_clock: trio.testing.MockClock, pool: FakePool
 ) -> None:

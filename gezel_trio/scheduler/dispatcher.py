@@ -36,8 +36,10 @@ import trio
 
 from gezel_trio._trio import unwrapping
 from gezel_trio.errors import (
+    EngineCrashed,
     EngineFailed,
     EngineStopped,
+    EngineTimeout,
     GezelError,
     SchedulerClosed,
     UnknownModel,
@@ -71,6 +73,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("gezel_trio.scheduler")
+
+_ENGINE_FAILURES = (EngineTimeout, EngineCrashed)
+"""What a job's block raises when its engine timed out or died (a slot left then is not
+saved in the background: the save would only wait on that engine)."""
 
 T = TypeVar("T")
 
@@ -127,7 +133,7 @@ class SlotRequest:
         try:
             await self._stack.__aexit__(exc_type, exc, tb)
         finally:
-            scheduler._release(job)
+            scheduler._release(job, engine_failed=isinstance(exc, _ENGINE_FAILURES))
         assert job.scope is not None
         if job.scope.cancelled_caught:  # only a shutdown cancels this scope
             raise SchedulerClosed(f"the scheduler shut down before the {job.kind} could finish")
@@ -350,12 +356,14 @@ class Scheduler:
         self._running.add(job)
         job.granted.set()
 
-    def _release(self, job: _TrioJob) -> None:
+    def _release(self, job: _TrioJob, *, engine_failed: bool = False) -> None:
         """The caller's block is over (or never started): settle the job. Synchronous,
         so cancellation cannot interrupt it. A blind job's slot is erased later, once
-        it has stayed idle; an owner's is saved then (``save_idle_slots``). A save that
-        starts at once takes its engine hold before the job's is dropped: the engine
-        never looks idle between the two."""
+        it has stayed idle; an owner's is saved then (``save_idle_slots``), unless the
+        block ended because the engine failed it (``engine_failed``: it timed out or
+        died), when a save would only wait on that engine. A save that starts at once
+        takes its engine hold before the job's is dropped: the engine never looks idle
+        between the two."""
         if job.state is not JobState.RUNNING:
             return
         self._running.discard(job)
@@ -377,7 +385,11 @@ class Scheduler:
                     maintenance = self._maintenance
                     if job.session is None:
                         self._nursery.start_soon(maintenance.erase_when_idle, job, lane, released)
-                    elif self.settings.save_idle_slots and maintenance.parking(lane):
+                    elif (
+                        self.settings.save_idle_slots
+                        and not engine_failed
+                        and maintenance.parking(lane)
+                    ):
                         maintenance.save_soon(self._nursery, job.model_id, lane, slot, released)
         finally:
             self._drop_hold(job)
