@@ -97,11 +97,7 @@ def host_process(
                 time.sleep(0.05)
             yield base, proc
         finally:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            _stop(proc)
 
 
 @contextmanager
@@ -132,11 +128,17 @@ def llama_server_process(*, parallel: int, ctx_size: int) -> Iterator[tuple[int,
             time.sleep(0.1)
         yield port, engine.path
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL after 20 s."""
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def write_result(name: str, payload: dict[str, Any]) -> Path:
