@@ -21,6 +21,13 @@ protocol classes, lifespan and keep-alive handling), with two changes:
    keep-alive connections, let busy ones finish until the drain deadline, then reset every
    connection still open, stuck or not. Closing a socket wakes a write blocked on it at
    once, so nothing waits for a write deadline at shutdown.
+3. A connection the server closes while its client may still be sending (a 413 or 408
+   answered before the request body was read, a 400) closes the way Apache's "lingering
+   close" does: its write side first (a FIN after the answer), then what the client still
+   sends is read and dropped until it closes its end, for :data:`LINGER_S` at most.
+   hypercorn closes the socket at once, and a socket closed with unread bytes sends a
+   reset, which could reach the client before it had read the answer: it saw "connection
+   reset" instead of the 413 that told it what to fix.
 
 It depends on hypercorn's internal classes (``TCPServer``, ``Lifespan``, ``WorkerContext``);
 it is written against hypercorn 0.18.
@@ -45,7 +52,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.trio.lifespan import Lifespan
 from hypercorn.trio.statsd import StatsdLogger
-from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import AppWrapper, ConnectionState, Framework
 from hypercorn.utils import repr_socket_addr, wrap_app
@@ -57,6 +64,10 @@ WRITE_PIECE = 16 * 1024
 
 LIFESPAN_SHUTDOWN_S = 5.0
 """Seconds the app's lifespan shutdown may take once every connection is closed."""
+
+LINGER_S = 2.0
+"""Seconds a connection the server closed goes on reading (and dropping) what its client
+still sends, so that the close does not reset the answer away (see the module)."""
 
 _BOOKKEEPING_S = 1.0
 """Seconds a connection's idle-timer update or close may take (they wait on no client)."""
@@ -205,6 +216,8 @@ class _GuardedTCPServer(TCPServer):
         self._held = b""
         self._on_leave: set[trio.CancelScope] = set()
         self._reading_done = False
+        self._reading = trio.CancelScope()  # hypercorn's read loop; cancelled to linger
+        self._lingering = False
 
     async def run(self) -> None:
         """Serve the connection until the client or the server closes it. Cancellation
@@ -238,14 +251,41 @@ class _GuardedTCPServer(TCPServer):
         cancel the scopes of :meth:`cancelled_on_leave` and stop the idle timer:
         hypercorn leaves it running, so the connection's task and socket outlived a
         client that had gone, for up to ``keep_alive_timeout`` (a client opening and
-        closing connections piled them up). Cancellation: as hypercorn's (the read
-        stops)."""
-        await super()._read_data()
+        closing connections piled them up). A connection the server closed first is
+        drained here (:meth:`_linger`). Cancellation: as hypercorn's (the read stops)."""
+        with self._reading:
+            await super()._read_data()
+        if self._lingering:
+            await self._linger()
         self._reading_done = True
         for scope in self._on_leave:
             scope.cancel()
         with trio.move_on_after(_BOOKKEEPING_S, shield=True):
             await self.idle_task.stop()
+
+    def _start_lingering(self) -> bool:
+        """Close the write side (the answer is followed by a FIN) and have the read task
+        drain the socket instead of handing its bytes to hypercorn; False when there is
+        nothing to linger for (the client closed its end, or the socket is gone)."""
+        sock = self._socket_stream.socket
+        if self._reading_done or self._lingering or sock.fileno() == -1:
+            return False
+        try:
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            return False
+        self._lingering = True
+        self._reading.cancel()
+        return True
+
+    async def _linger(self) -> None:
+        """Read and drop what the client still sends until it closes its end, for
+        :data:`LINGER_S` at most; the connection's task then closes the socket (or the
+        guard resets it sooner, at shutdown). Cancellation: stops reading."""
+        with trio.move_on_after(LINGER_S):
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                while await self._socket_stream.receive_some(MAX_RECV):
+                    pass
 
     async def protocol_send(self, event: Event) -> None:
         """Carry out what the HTTP protocol asks of the connection: bytes to write (see
@@ -261,6 +301,10 @@ class _GuardedTCPServer(TCPServer):
                 self.busy = not event.idle
             elif isinstance(event, Closed):
                 self.busy = False
+                if self._start_lingering():
+                    with trio.move_on_after(_BOOKKEEPING_S, shield=True):
+                        await self.protocol.handle(event)  # what hypercorn does after closing
+                    return
             # hypercorn runs this bookkeeping (the idle timer's restart after a response,
             # the connection's close) in whichever task ended the exchange: usually the
             # app's, which quart-trio has just cancelled (the stream's end reached it as a

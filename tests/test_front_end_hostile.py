@@ -318,6 +318,44 @@ async def test_slowloris_clients_are_cut_off_after_their_deadlines(state_dir: Pa
             )
 
 
+async def test_an_answer_given_before_the_body_is_read_is_not_reset_away(
+    state_dir: Path,
+) -> None:
+    """A declared body over ``max_body_bytes`` is answered 413 before it is read, while
+    its client is still sending it. What the client sends after the answer is read and
+    dropped, and the connection ends with a FIN: a socket closed with unread bytes sends
+    a reset instead, which can reach the client before it has read the answer (it saw
+    "connection reset" where the 413 said what to fix)."""
+    cfg = _cfg(state_dir, max_body_bytes=4096)
+    with trio.fail_after(60):
+        async with _served(cfg) as (served, client):
+            stream = await _connect(served.urls[0])
+            async with stream:
+                await stream.send_all(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 1000000\r\n\r\n{"
+                )
+                answer = await _read_until(stream, b"\r\n\r\n")
+                reply = HttpReply(answer)
+                while len(reply.body) < int(reply.headers["content-length"]):
+                    reply = HttpReply(reply.raw + await stream.receive_some(65536))
+                assert reply.status == 413, reply
+                assert "limit of 4096 bytes" in reply.json()["error"]["message"]
+                # the server has closed its side by now; the client goes on sending
+                for _ in range(16):
+                    await stream.send_all(b" " * 16384)
+                await stream.send_eof()
+                _, after, how = await _ends_within(stream, 10)
+            assert (after, how) == (b"", "eof")  # no reset, nothing more
+            r = await client.get("/health")
+            assert r.status_code == 200
+            await wait_until(
+                lambda: served.front.statistics().open <= 1,  # the httpx client's own
+                within=5,
+                what="the lingering connection closed",
+            )
+
+
 # --------------------------------------------------------------------------- shutdown
 
 
