@@ -104,6 +104,29 @@ def test_an_overloaded_holder_sheds_to_the_least_loaded_member() -> None:
     assert down.member == "m@1" and down.place is None
 
 
+def test_a_keyed_session_shed_away_from_its_kv_counts_as_moved() -> None:
+    """A chat whose member holds its KV but is overloaded goes to the least-loaded member
+    and re-prefills there: a move, as much as one off a member that went down."""
+    router = ReplicaRouter()
+    loaded = [MemberView("m@0", True, 5, holds=True), MemberView("m@1", True, 0)]
+    assert router.choose(loaded, "sess") == "m@0"  # its first request: no move
+    chat = prefix_blocks(["sys", "u1", "a1"])
+    router.record("sess", KvPlace("m@0", 0), chat)
+    turn = prefix_blocks(["sys", "u1", "a1", "u2"])
+    assert router.choose(loaded, "sess") == "m@0" and router.moved == 0  # it holds the KV
+    route = router.by_prefix(
+        loaded, "sess", turn, current="m@0", session="sess", bound=2, held=_held(router)
+    )
+    assert route.member == "m@1" and not route.hit and route.place == KvPlace("m@0", 0)
+    assert router.moved == 1 and router.member_of("sess") == "m@1"
+    # a session that follows its prefix to another member moves towards its KV: no count
+    router.record("other", KvPlace("m@1", 0), chat)
+    route = router.by_prefix(
+        _views(), "other", turn, current="m@0", session="other", bound=2, held=_held(router)
+    )
+    assert route.member == "m@1" and route.hit and router.moved == 1
+
+
 def test_a_miss_goes_to_the_least_loaded_member_holding_the_fewest_prefixes() -> None:
     router = ReplicaRouter()
     for i, member in enumerate(["m@0", "m@0", "m@1"]):

@@ -311,7 +311,8 @@ class ReplicaRouter:
         it is trusted. ``parked``: per member, how many leading blocks of ``prefix``
         its best parked copy of ``owner``'s holds (a slot wins a tie: no restore). A
         move away from ``current`` is booked as :meth:`rehome` books a session's (or,
-        keyless, in ``routed``)."""
+        keyless, in ``routed``); a session shed away from the member holding its prefix
+        counts as ``moved``."""
         by_id = {m.id: m for m in members}
         usable = [m for m in members if m.id not in avoid] or list(members)
         healthy = [m for m in usable if m.healthy] or usable
@@ -354,8 +355,8 @@ class ReplicaRouter:
             chosen, hit = (least.id if session is None else current), False
             self._counts(chosen).misses += 1
         if chosen != current:
-            if session is not None:
-                self.rehome(session, chosen, lost_kv=False)
+            if session is not None:  # shed away from its KV, it re-prefills: a move
+                self.rehome(session, chosen, lost_kv=place is not None and not hit)
             else:
                 self.routed[current] = self.routed.get(current, 1) - 1
                 self.routed[chosen] = self.routed.get(chosen, 0) + 1
