@@ -214,7 +214,7 @@ class _GuardedTCPServer(TCPServer):
         self.write_started: float | None = None
         self._peer = ""
         self._held = b""
-        self._on_leave: set[trio.CancelScope] = set()
+        self._on_leave: set[Callable[[], object]] = set()
         self._reading_done = False
         self._reading = trio.CancelScope()  # hypercorn's read loop; cancelled to linger
         self._lingering = False
@@ -233,22 +233,29 @@ class _GuardedTCPServer(TCPServer):
         finally:
             self._guard._discard(self)
 
+    def call_on_leave(self, callback: Callable[[], object]) -> Callable[[], None]:
+        """Call ``callback`` once the client closes the connection (or the connection is
+        reset); at once if it has. Returns the function that takes the call back."""
+        if self._reading_done:
+            callback()
+            return _nothing
+        self._on_leave.add(callback)
+        return partial(self._on_leave.discard, callback)
+
     @contextlib.contextmanager
     def cancelled_on_leave(self) -> Iterator[trio.CancelScope]:
         """A cancel scope that is cancelled when the client closes the connection (or
         the connection is reset) while the block runs."""
         with trio.CancelScope() as scope:
-            if self._reading_done:
-                scope.cancel()
-            self._on_leave.add(scope)
+            forget = self.call_on_leave(scope.cancel)
             try:
                 yield scope
             finally:
-                self._on_leave.discard(scope)
+                forget()
 
     async def _read_data(self) -> None:
         """Read the client's bytes until it closes its end (or the socket closes), then
-        cancel the scopes of :meth:`cancelled_on_leave` and stop the idle timer:
+        call what :meth:`call_on_leave` was given, and stop the idle timer:
         hypercorn leaves it running, so the connection's task and socket outlived a
         client that had gone, for up to ``keep_alive_timeout`` (a client opening and
         closing connections piled them up). A connection the server closed first is
@@ -258,8 +265,9 @@ class _GuardedTCPServer(TCPServer):
         if self._lingering:
             await self._linger()
         self._reading_done = True
-        for scope in self._on_leave:
-            scope.cancel()
+        for callback in list(self._on_leave):
+            callback()
+        self._on_leave.clear()
         with trio.move_on_after(_BOOKKEEPING_S, shield=True):
             await self.idle_task.stop()
 
@@ -382,6 +390,19 @@ def cancelled_when_client_leaves() -> contextlib.AbstractContextManager[trio.Can
     the close."""
     connection = _connection.get()
     return None if connection is None else connection.cancelled_on_leave()
+
+
+def call_when_client_leaves(callback: Callable[[], object]) -> Callable[[], None] | None:
+    """For the request being served in this task: call ``callback`` once its client
+    closes the connection (at once if it has), until the returned function takes the
+    call back; None when the request did not come through :func:`serve_front`. Costs
+    no task: the connection's own read loop sees the close."""
+    connection = _connection.get()
+    return None if connection is None else connection.call_on_leave(callback)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _body_follows(data: bytes) -> bool:

@@ -554,6 +554,30 @@ async def _abort(stream: trio.SocketStream) -> None:
     await stream.aclose()
 
 
+async def _post_raw(address: str, port: int, path: str, body: Any) -> trio.SocketStream:
+    """A raw connection that has sent ``body`` to ``path``, with the API key."""
+    stream = await trio.open_tcp_stream(address, port)
+    payload = json.dumps(body).encode()
+    await stream.send_all(
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+        + f"Authorization: Bearer {KEY}\r\n".encode()
+        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    return stream
+
+
+async def _read_lines(stream: trio.SocketStream, n: int) -> bytes:
+    """Read a streamed answer until ``n`` of its lines (not the last) have come."""
+    buf = b""
+    while buf.count(b'"done":false') < n:
+        chunk = await stream.receive_some(65536)
+        assert chunk, buf[:300]
+        buf += chunk
+    assert b"application/x-ndjson" in buf
+    return buf
+
+
 async def test_client_walking_away_mid_stream_stops_generation(
     tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
 ) -> None:
@@ -577,20 +601,8 @@ async def test_client_walking_away_mid_stream_stops_generation(
             base_url = engine.base_url
             address, port = _base(http).removeprefix("http://").rsplit(":", 1)
             for _ in range(2):
-                stream = await trio.open_tcp_stream(address, int(port))
-                payload = json.dumps(long_chat).encode()
-                await stream.send_all(
-                    b"POST /api/chat HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                    + f"Authorization: Bearer {KEY}\r\n".encode()
-                    + f"Content-Length: {len(payload)}\r\n\r\n".encode()
-                    + payload
-                )
-                buf = b""
-                while buf.count(b'"done":false') < 2:
-                    chunk = await stream.receive_some(65536)
-                    assert chunk, buf[:300]
-                    buf += chunk
-                assert b"application/x-ndjson" in buf
+                stream = await _post_raw(address, int(port), "/api/chat", long_chat)
+                await _read_lines(stream, 2)
                 assert await slots_busy(base_url) == [0]
                 await _abort(stream)
 
@@ -604,6 +616,70 @@ async def test_client_walking_away_mid_stream_stops_generation(
                 "/api/chat", json={**long_chat, "stream": False, "options": OPTIONS}
             )
             assert after.status_code == 200
+
+
+async def test_a_client_that_leaves_before_the_stream_starts_ends_it_at_once(
+    tiny_model: Path,
+    state_dir: Path,
+    engine_binary: EngineBinary,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Quart route's stream whose client leaves after the route has answered but before
+    the response went out (here while Quart's after-request hooks run) is never sent, so
+    its body's own cleanup never runs: the connection ends the job, its slot and the
+    engine's generation at once, not after ``stream_start_timeout`` (30 s here). The same
+    request, read, is still generating 5 s later: what was cut would have run on."""
+    import gezel_trio.api.metrics_endpoint as metrics_endpoint
+
+    cfg = _cfg(tiny_model, state_dir, engine_binary, parallel=1, ctx_per_slot=16384)
+    cfg.server.stream_start_timeout = 30.0
+    long_chat = {
+        "model": "tiny",
+        "messages": MESSAGES,
+        "options": {"num_predict": 16000, "temperature": 0},
+    }
+    real_record = metrics_endpoint.record_answer
+    answered = trio.Event()
+
+    async def hooks_take_their_time(exchange: Any, resp: Any, metrics: Any) -> Any:
+        if resp.mimetype == "application/x-ndjson":
+            answered.set()
+            await trio.sleep_forever()  # until the client's leaving cancels the request
+        return await real_record(exchange, resp, metrics)
+
+    with trio.fail_after(120):
+        async with running(cfg) as (host, http):
+            http.headers.update(AUTH)
+            warm = await http.post(
+                "/api/chat", json={**long_chat, "stream": False, "options": OPTIONS}
+            )
+            assert warm.status_code == 200
+            base_url = host.models["tiny"].engine.base_url
+            assert base_url is not None
+            address, port = _base(http).removeprefix("http://").rsplit(":", 1)
+
+            async def idle() -> bool:
+                return await slots_busy(base_url) == []
+
+            monkeypatch.setattr(metrics_endpoint, "record_answer", hooks_take_their_time)
+            gone = await _post_raw(address, int(port), "/api/chat", long_chat)
+            await answered.wait()
+            await _abort(gone)
+            took = await wait_until(idle, within=5, interval=0.05, what="generation ended")
+            await wait_nothing_held(host, within=3)
+            print(f"generation ended {took * 1000:.0f} ms after the client left")
+            monkeypatch.undo()
+            # the engine's truth: the same request, read, still generates after the 5 s
+            # the one cut was given
+            read = await _post_raw(address, int(port), "/api/chat", long_chat)
+            await _read_lines(read, 2)
+            with trio.move_on_after(5):
+                while await read.receive_some(65536):
+                    pass
+            assert await slots_busy(base_url) == [0], "it ends within 5 s on its own"
+            await _abort(read)
+            await wait_until(idle, within=5, interval=0.05, what="generation stopped")
+            await wait_nothing_held(host, within=3)
 
 
 # --------------------------------------------------------------------------- ollama_listen

@@ -34,6 +34,7 @@ from ..engine.client import UpstreamHead, UpstreamResult, sse_error_event
 from ..engine.sse import data_payloads
 from ..engine.usage import token_counts
 from ..errors import EngineCrashed, EngineFailed, GezelError
+from ..front_guard import call_when_client_leaves
 from ..host import Host, ModelRuntime
 from ..host.completion import Completion, EngineAnswer, Item, Owner, StreamJob
 from ..kv.sessions import session_hash
@@ -283,11 +284,10 @@ async def _stream(
     (:meth:`CompletionService.start_stream`): the engine's head decides the status;
     a job still queued after ``sse_keepalive_interval`` commits to a 200 with the
     dialect's keep-alive (:func:`_waiting_stream`). The job is cancelled when the body
-    ends (the stream ended, or the client left) or, by the service, when the body has
-    not started ``stream_start_timeout`` after the head was handed over
-    (:meth:`CompletionService.expect_reader`: the client left before the server could
-    start it, so the body's own cleanup never runs)."""
+    ends (the stream ended, or the client left) and, read or not, when its client
+    closes the connection (:func:`_end_when_client_leaves`)."""
     job = host.completions.start_stream(runtime, completion, owner)
+    _end_when_client_leaves(job)
     handed_off = False
     try:
         keepalive = host.config.server.sse_keepalive_interval
@@ -332,12 +332,29 @@ async def _stream(
             headers={**SSE_HEADERS, **_wait_header(job.grant)},
         )
         resp.timeout = None
-        host.completions.expect_reader(job)
+        _expect_reader(host, job)
         handed_off = True
         return resp
     finally:
         if not handed_off:
             job.cancel()
+
+
+def _end_when_client_leaves(job: StreamJob) -> None:
+    """Have ``job`` end when its client closes its connection, whether its body was
+    being read, not started yet, or never to be started (the client left between the
+    route's answer and its first write: the body's own cleanup never runs). The
+    connection tells, when the request came through :func:`~..front_guard.serve_front`;
+    the job takes the call back when it ends."""
+    job.on_end = call_when_client_leaves(job.scope.cancel)
+
+
+def _expect_reader(host: Host, job: StreamJob) -> None:
+    """``job``'s response is handed over: with no connection to tell that its client left
+    (another server than ``serve_front``), the service cancels it unless its body starts
+    within ``stream_start_timeout`` (:meth:`CompletionService.expect_reader`)."""
+    if job.on_end is None:
+        host.completions.expect_reader(job)
 
 
 class _JobBody:
@@ -465,7 +482,7 @@ def _waiting_stream(host: Host, job: StreamJob, shaper: Shaper) -> Response:
         headers=SSE_HEADERS,
     )
     resp.timeout = None
-    host.completions.expect_reader(job)
+    _expect_reader(host, job)
     return resp
 
 

@@ -45,7 +45,9 @@ class ServerConfig:
     cors_origins: list[str] = field(default_factory=list)
     stream_start_timeout: float = 10.0
     """Seconds a streaming response's body may take to start after its head was
-    handed over; past it the client is gone and its request is cancelled."""
+    handed over; past it the client is gone and its request is cancelled. Only under
+    another ASGI server than :func:`~gezel_trio.front_guard.serve_front`, whose
+    connections end a stream as soon as its client leaves, started or not."""
     stream_stall_timeout: float = 120.0
     """Seconds a client may stop reading before its request is cancelled and its connection
     reset: a stream's relay gives up on it, and so does every response write (see

@@ -17,8 +17,9 @@ non-streamed answer is assembled. From there every completion takes one path:
 - once its answer is known (assembled, or its stream ended), a completion that ran
   on a KV restore verifies it against the tokens the engine reports cached
   (:meth:`ModelRuntime.verify_restore <gezel_trio.host.runtime.ModelRuntime.verify_restore>`);
-- a stream whose reader never starts reading is cancelled
-  (:meth:`CompletionService.expect_reader`).
+- a stream whose reader never starts reading is cancelled, by its connection when
+  its client leaves (``StreamJob.on_end`` takes that call back), else by
+  :meth:`CompletionService.expect_reader`.
 
 What comes back is the engine's, parsed once (:class:`Answer`), or a stream of
 its raw chunks (:class:`StreamJob`); shaping it for the client is the dialect's.
@@ -31,7 +32,7 @@ import itertools
 import json
 import logging
 import time
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -300,6 +301,8 @@ class StreamJob:
     error: GezelError | None = None
     reading: trio.Event = field(default_factory=trio.Event)
     """Set by the reader once it starts reading (see :meth:`CompletionService.expect_reader`)."""
+    on_end: Callable[[], object] | None = None
+    """Called once the job has ended (its task's last step)."""
 
     def cancel(self) -> None:
         """End the job (its channel too), whatever it is doing."""
@@ -424,35 +427,41 @@ class CompletionService:
         job = StreamJob(recv, trio.CancelScope(), runtime, owner.session)
 
         async def run() -> None:
-            async with send:
-                with job.scope:
-                    try:
-                        await self._stream_into(runtime, completion, owner, prefix, guarded, job)
-                    except GezelError as exc:
-                        job.error = exc
-                    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                        # the client went away mid-stream (or stopped reading)
-                        log.info(
-                            "client left mid-stream",
-                            extra={
-                                "fields": {
-                                    "model": runtime.id,
-                                    "session": session_hash(owner.session),
-                                    "why": str(exc) or "disconnected",
-                                }
-                            },
-                        )
-                    except Exception as exc:  # a bug: never leave the client hanging
-                        log.exception("stream job failed")
-                        job.error = EngineCrashed(f"internal error while relaying: {exc!r}")
-                    # Once granted, the head may already be in the channel: end with the
-                    # error (the reader also takes one that arrives before any head).
-                    if job.error is not None and job.grant is not None:
-                        with trio.move_on_after(1, shield=True):
-                            try:
-                                await send.send(job.error)
-                            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                                pass
+            try:
+                async with send:
+                    with job.scope:
+                        try:
+                            await self._stream_into(
+                                runtime, completion, owner, prefix, guarded, job
+                            )
+                        except GezelError as exc:
+                            job.error = exc
+                        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                            # the client went away mid-stream (or stopped reading)
+                            log.info(
+                                "client left mid-stream",
+                                extra={
+                                    "fields": {
+                                        "model": runtime.id,
+                                        "session": session_hash(owner.session),
+                                        "why": str(exc) or "disconnected",
+                                    }
+                                },
+                            )
+                        except Exception as exc:  # a bug: never leave the client hanging
+                            log.exception("stream job failed")
+                            job.error = EngineCrashed(f"internal error while relaying: {exc!r}")
+                        # Once granted, the head may already be in the channel: end with the
+                        # error (the reader also takes one that arrives before any head).
+                        if job.error is not None and job.grant is not None:
+                            with trio.move_on_after(1, shield=True):
+                                try:
+                                    await send.send(job.error)
+                                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                                    pass
+            finally:
+                if job.on_end is not None:
+                    job.on_end()
 
         self._host.tasks.start_soon(run)
         return job
