@@ -146,6 +146,15 @@ async def _ends_within(stream: trio.SocketStream, seconds: float) -> tuple[float
     return trio.current_time() - t0, data, how
 
 
+async def _serving_only(
+    client: httpx.AsyncClient, served: Served, *, within: float, what: str
+) -> None:
+    """The host still answers ``client``, whose connection soon is the only one open."""
+    r = await client.get("/health")
+    assert r.status_code == 200
+    await wait_until(lambda: served.front.statistics().open <= 1, within=within, what=what)
+
+
 def _raise_fd_limit(need: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < need:
@@ -309,13 +318,7 @@ async def test_slowloris_clients_are_cut_off_after_their_deadlines(state_dir: Pa
             for name, (took, _, how) in results.items():
                 print(f"{name}: cut off after {took:.2f}s ({how})")
 
-            r = await client.get("/health")
-            assert r.status_code == 200
-            await wait_until(
-                lambda: served.front.statistics().open <= 1,  # the httpx client's own
-                within=2,
-                what="the slowloris connections gone",
-            )
+            await _serving_only(client, served, within=2, what="the slowloris connections gone")
 
 
 async def test_an_answer_given_before_the_body_is_read_is_not_reset_away(
@@ -347,13 +350,7 @@ async def test_an_answer_given_before_the_body_is_read_is_not_reset_away(
                 await stream.send_eof()
                 _, after, how = await _ends_within(stream, 10)
             assert (after, how) == (b"", "eof")  # no reset, nothing more
-            r = await client.get("/health")
-            assert r.status_code == 200
-            await wait_until(
-                lambda: served.front.statistics().open <= 1,  # the httpx client's own
-                within=5,
-                what="the lingering connection closed",
-            )
+            await _serving_only(client, served, within=5, what="the lingering connection closed")
 
 
 # --------------------------------------------------------------------------- shutdown

@@ -554,6 +554,25 @@ async def _abort(stream: trio.SocketStream) -> None:
     await stream.aclose()
 
 
+LONG_CHAT = {
+    "model": "tiny",
+    "messages": MESSAGES,
+    "options": {"num_predict": 16000, "temperature": 0},
+}
+
+
+async def _warmed(host: Host, http: httpx.AsyncClient) -> tuple[str, str, int]:
+    """Answer a short chat (``http`` gets the API key), then: the engine's URL, and the
+    host's address and port for raw connections."""
+    http.headers.update(AUTH)
+    warm = await http.post("/api/chat", json={**LONG_CHAT, "stream": False, "options": OPTIONS})
+    assert warm.status_code == 200
+    base_url = host.models["tiny"].engine.base_url
+    assert base_url is not None
+    address, port = _base(http).removeprefix("http://").rsplit(":", 1)
+    return base_url, address, int(port)
+
+
 async def _post_raw(address: str, port: int, path: str, body: Any) -> trio.SocketStream:
     """A raw connection that has sent ``body`` to ``path``, with the API key."""
     stream = await trio.open_tcp_stream(address, port)
@@ -584,24 +603,11 @@ async def test_client_walking_away_mid_stream_stops_generation(
     """A streamed ``/api/chat`` whose client leaves after two lines: the engine's slot is
     idle again within a second, and nothing is held."""
     cfg = _cfg(tiny_model, state_dir, engine_binary, parallel=1, ctx_per_slot=16384)
-    long_chat = {
-        "model": "tiny",
-        "messages": MESSAGES,
-        "options": {"num_predict": 16000, "temperature": 0},
-    }
     with trio.fail_after(120):
         async with running(cfg) as (host, http):
-            http.headers.update(AUTH)
-            warm = await http.post(
-                "/api/chat", json={**long_chat, "stream": False, "options": OPTIONS}
-            )
-            assert warm.status_code == 200
-            engine = host.models["tiny"].engine
-            assert engine.base_url is not None
-            base_url = engine.base_url
-            address, port = _base(http).removeprefix("http://").rsplit(":", 1)
+            base_url, address, port = await _warmed(host, http)
             for _ in range(2):
-                stream = await _post_raw(address, int(port), "/api/chat", long_chat)
+                stream = await _post_raw(address, port, "/api/chat", LONG_CHAT)
                 await _read_lines(stream, 2)
                 assert await slots_busy(base_url) == [0]
                 await _abort(stream)
@@ -613,7 +619,7 @@ async def test_client_walking_away_mid_stream_stops_generation(
                 print(f"generation stopped {took * 1000:.0f} ms after the client left")
                 await wait_nothing_held(host, within=3)
             after = await http.post(
-                "/api/chat", json={**long_chat, "stream": False, "options": OPTIONS}
+                "/api/chat", json={**LONG_CHAT, "stream": False, "options": OPTIONS}
             )
             assert after.status_code == 200
 
@@ -633,11 +639,6 @@ async def test_a_client_that_leaves_before_the_stream_starts_ends_it_at_once(
 
     cfg = _cfg(tiny_model, state_dir, engine_binary, parallel=1, ctx_per_slot=16384)
     cfg.server.stream_start_timeout = 30.0
-    long_chat = {
-        "model": "tiny",
-        "messages": MESSAGES,
-        "options": {"num_predict": 16000, "temperature": 0},
-    }
     real_record = metrics_endpoint.record_answer
     answered = trio.Event()
 
@@ -649,20 +650,13 @@ async def test_a_client_that_leaves_before_the_stream_starts_ends_it_at_once(
 
     with trio.fail_after(120):
         async with running(cfg) as (host, http):
-            http.headers.update(AUTH)
-            warm = await http.post(
-                "/api/chat", json={**long_chat, "stream": False, "options": OPTIONS}
-            )
-            assert warm.status_code == 200
-            base_url = host.models["tiny"].engine.base_url
-            assert base_url is not None
-            address, port = _base(http).removeprefix("http://").rsplit(":", 1)
+            base_url, address, port = await _warmed(host, http)
 
             async def idle() -> bool:
                 return await slots_busy(base_url) == []
 
             monkeypatch.setattr(metrics_endpoint, "record_answer", hooks_take_their_time)
-            gone = await _post_raw(address, int(port), "/api/chat", long_chat)
+            gone = await _post_raw(address, port, "/api/chat", LONG_CHAT)
             await answered.wait()
             await _abort(gone)
             took = await wait_until(idle, within=5, interval=0.05, what="generation ended")
@@ -671,7 +665,7 @@ async def test_a_client_that_leaves_before_the_stream_starts_ends_it_at_once(
             monkeypatch.undo()
             # the engine's truth: the same request, read, still generates after the 5 s
             # the one cut was given
-            read = await _post_raw(address, int(port), "/api/chat", long_chat)
+            read = await _post_raw(address, port, "/api/chat", LONG_CHAT)
             await _read_lines(read, 2)
             with trio.move_on_after(5):
                 while await read.receive_some(65536):
