@@ -62,7 +62,8 @@ MODEL = "tiny"
 CTX_PER_SLOT = 512
 WARMUP_ROUNDS = 10
 WORKDIR = Path("benchmarks/results/tmp")
-TARGET_RATIO = 0.97
+TARGET_RATIO = 0.98
+"""8 concurrent streams, host tokens/s over direct: the front-end issue's aim."""
 
 
 def _chat() -> dict[str, object]:
