@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -9,7 +10,9 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 import trio
+import trio.testing
 
+from gezel_trio.engine.logs import LogRing
 from gezel_trio.engine.supervisor import Engine, EngineState, SupervisorTiming, open_engine
 from gezel_trio.errors import EngineFailed, NoCapacity
 
@@ -356,3 +359,28 @@ async def test_external_engine_reflects_reachability(autojump_clock: trio.abc.Cl
         await engine.ensure_ready()
         await engine.stop()
         assert engine.state.value is EngineState.STOPPED
+
+
+async def test_a_reader_hurries_the_log_pump_out_of_its_gather() -> None:
+    """The pump holds what it read for ``gather_s`` (a minute here), so that the lines
+    llama-server writes one by one cost one wakeup; a reader that needs the latest lines
+    (``/api/models/<id>/logs``) gets what was read and what the pipe holds, at once."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    ring = LogRing()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: ring.pump(trio.lowlevel.FdStream(read_end), gather_s=60.0))
+            os.write(write_end, b"one\n")
+            await trio.testing.wait_all_tasks_blocked()
+            os.write(write_end, b"two\nthree\n")
+            await trio.testing.wait_all_tasks_blocked()
+            assert ring.tail() == []  # gathering: nothing appended yet
+            await ring.caught_up()
+            assert ring.tail() == ["one", "two", "three"]
+            await ring.caught_up()  # not gathering now: at once
+            os.write(write_end, b"four")
+            os.close(write_end)
+            await trio.testing.wait_all_tasks_blocked()
+            await ring.caught_up()  # then the end: the pump returns
+    assert ring.tail() == ["one", "two", "three", "four"]

@@ -44,6 +44,7 @@ async def logs(model_id: str) -> Response:
     host = _host()
     rt = host.resolve_model(model_id)
     log_ring = rt.engine.log
+    await log_ring.caught_up()  # the lines the engine has written by now
     since = request.args.get("since")
     if since is not None:
         try:

@@ -570,6 +570,7 @@ class Engine:
                 f"(code {describe_exit_code(code)}): {self.log.summary()}"
             )
         if outcome == "timeout":
+            await self.log.caught_up()
             raise EngineFailed(
                 f"engine for model {self.model_id!r} did not become healthy within "
                 f"{self.timing.load_timeout:g}s: {self.log.summary()}"
