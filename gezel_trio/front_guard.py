@@ -28,6 +28,10 @@ protocol classes, lifespan and keep-alive handling), with two changes:
    hypercorn closes the socket at once, and a socket closed with unread bytes sends a
    reset, which could reach the client before it had read the answer: it saw "connection
    reset" instead of the 413 that told it what to fix.
+4. The keep-alive idle timer is a deadline on the connection's read loop
+   (:class:`_IdleDeadline`), not hypercorn's task started at the end of every request
+   (behind a lock, with ``nursery.start``) and cancelled at the start of the next: the
+   same cut after ``keep_alive_timeout``, for no task per request.
 
 It depends on hypercorn's internal classes (``TCPServer``, ``Lifespan``, ``WorkerContext``);
 it is written against hypercorn 0.18.
@@ -170,6 +174,12 @@ class FrontGuard:
         while self._connections:
             await self._emptied.wait()
 
+    def close_idle(self) -> None:
+        """Close every connection with no request in flight (as its idle deadline does)."""
+        for conn in self._connections:
+            if not conn.busy:
+                conn.reading.deadline = -math.inf
+
     def close_all(self) -> int:
         """Reset every client connection still open; returns how many. A task waiting on
         one of their sockets (a write the client does not read) wakes at once with
@@ -194,6 +204,25 @@ class FrontGuard:
             self._emptied.set()
 
 
+class _IdleDeadline:
+    """hypercorn's idle timer (a connection's ``idle_task``), as the deadline of the
+    connection's read loop: ``restart`` (a response went out, or the connection opened)
+    sets it ``keep_alive_timeout`` ahead, or in the past once the server is stopping;
+    ``stop`` (a request began) lifts it. The read loop, cut by it, closes the connection
+    as hypercorn's timer task would (:meth:`_GuardedTCPServer._read_data`)."""
+
+    __slots__ = ("_connection",)
+
+    def __init__(self, connection: _GuardedTCPServer) -> None:
+        self._connection = connection
+
+    async def restart(self, task_group: object, action: object) -> None:
+        self._connection.idle_from_now()
+
+    async def stop(self) -> None:
+        self._connection.reading.deadline = math.inf
+
+
 class _GuardedTCPServer(TCPServer):
     """hypercorn's connection handler, with a deadline on every write (see the module)."""
 
@@ -216,8 +245,10 @@ class _GuardedTCPServer(TCPServer):
         self._held = b""
         self._on_leave: set[Callable[[], object]] = set()
         self._reading_done = False
-        self._reading = trio.CancelScope()  # hypercorn's read loop; cancelled to linger
+        self.reading = trio.CancelScope()
+        """hypercorn's read loop: its deadline is the idle timer's; cancelled to linger."""
         self._lingering = False
+        self.idle_task = _IdleDeadline(self)  # type: ignore[assignment]
 
     async def run(self) -> None:
         """Serve the connection until the client or the server closes it. Cancellation
@@ -258,18 +289,29 @@ class _GuardedTCPServer(TCPServer):
         call what :meth:`call_on_leave` was given, and stop the idle timer:
         hypercorn leaves it running, so the connection's task and socket outlived a
         client that had gone, for up to ``keep_alive_timeout`` (a client opening and
-        closing connections piled them up). A connection the server closed first is
-        drained here (:meth:`_linger`). Cancellation: as hypercorn's (the read stops)."""
-        with self._reading:
+        closing connections piled them up). A connection idle past its deadline
+        (:class:`_IdleDeadline`) is closed here, one the server closed first is drained
+        here (:meth:`_linger`). Cancellation: as hypercorn's (the read stops)."""
+        with self.reading:
             await super()._read_data()
         if self._lingering:
             await self._linger()
+        elif self.reading.cancelled_caught:  # idle for keep_alive_timeout, or stopping
+            with trio.move_on_after(_BOOKKEEPING_S, shield=True):
+                await self._initiate_server_close()
         self._reading_done = True
         for callback in list(self._on_leave):
             callback()
         self._on_leave.clear()
-        with trio.move_on_after(_BOOKKEEPING_S, shield=True):
-            await self.idle_task.stop()
+        self.reading.deadline = math.inf
+
+    def idle_from_now(self) -> None:
+        """The connection is idle (no request in flight): close it ``keep_alive_timeout``
+        from now, or at once when the server is stopping."""
+        if self.context.terminated.is_set():
+            self.reading.deadline = -math.inf
+        else:
+            self.reading.deadline = trio.current_time() + self.config.keep_alive_timeout
 
     def _start_lingering(self) -> bool:
         """Close the write side (the answer is followed by a FIN) and have the read task
@@ -283,7 +325,7 @@ class _GuardedTCPServer(TCPServer):
         except OSError:
             return False
         self._lingering = True
-        self._reading.cancel()
+        self.reading.cancel()
         return True
 
     async def _linger(self) -> None:
@@ -305,22 +347,25 @@ class _GuardedTCPServer(TCPServer):
         whole answer is one write instead of two or three: on this path a socket write
         costs more than most of the Python around it."""
         if not isinstance(event, RawData):
-            if isinstance(event, Updated):
+            if isinstance(event, Updated):  # the idle timer (_IdleDeadline): no wait
                 self.busy = not event.idle
-            elif isinstance(event, Closed):
+                if event.idle:
+                    self.idle_from_now()
+                else:
+                    self.reading.deadline = math.inf
+                return
+            if isinstance(event, Closed):
                 self.busy = False
                 if self._start_lingering():
                     with trio.move_on_after(_BOOKKEEPING_S, shield=True):
                         await self.protocol.handle(event)  # what hypercorn does after closing
                     return
-            # hypercorn runs this bookkeeping (the idle timer's restart after a response,
-            # the connection's close) in whichever task ended the exchange: usually the
-            # app's, which quart-trio has just cancelled (the stream's end reached it as a
-            # disconnect). Cut at its first checkpoint, the idle timer of a keep-alive
-            # connection is never restarted (the connection outlives keep_alive_timeout
-            # and the shutdown), and a close after a request whose body was not read to
-            # its end (a 408, a 413) leaves the socket open, its reader waiting forever.
-            # So it runs shielded, with a deadline: it neither sends nor waits on a client.
+            # hypercorn runs the connection's close in whichever task ended the exchange:
+            # usually the app's, which quart-trio has just cancelled (the stream's end
+            # reached it as a disconnect). Cut at its first checkpoint, a close after a
+            # request whose body was not read to its end (a 408, a 413) leaves the socket
+            # open, its reader waiting forever. So it runs shielded, with a deadline: it
+            # neither sends nor waits on a client.
             with trio.move_on_after(_BOOKKEEPING_S, shield=True):
                 await super().protocol_send(event)
             if isinstance(event, Closed):
@@ -481,7 +526,8 @@ async def serve_front(
                             task_status.started(binds)
                             await guard.wait_stopping()
                             accepting.cancel_scope.cancel()  # the listening sockets close
-                        await context.terminated.set()  # idle connections close themselves
+                        await context.terminated.set()  # no keep-alive after a response
+                        guard.close_idle()
                         with trio.move_on_at(guard.drain_deadline):
                             await guard.wait_closed()
                     finally:
