@@ -11,7 +11,7 @@ ignores). hypercorn has no setting for it: a ``write_timeout`` was proposed upst
 shield.
 
 So :func:`serve_front` serves the app the way ``hypercorn.trio.serve`` does (same
-protocol classes, lifespan and keep-alive handling), with two changes:
+protocol classes, lifespan and keep-alive handling), with four changes:
 
 1. Every connection is a :class:`_GuardedTCPServer`, whose writes go out in pieces of
    16 KiB, each under ``trio.move_on_after(write_timeout, shield=True)``: a piece the
