@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -31,6 +32,7 @@ RESULTS = Path(os.environ.get("GEZEL_BENCH_RESULTS") or Path(__file__).resolve()
 --quick`` points it elsewhere, so smoke runs never overwrite the recorded figures)."""
 
 __all__ = [
+    "floor_process",
     "free_port",
     "host_process",
     "llama_server_process",
@@ -127,6 +129,31 @@ def llama_server_process(*, parallel: int, ctx_size: int) -> Iterator[tuple[int,
                 raise RuntimeError(f"llama-server did not become healthy: {argv}")
             time.sleep(0.1)
         yield port, engine.path
+    finally:
+        _stop(proc)
+
+
+@contextmanager
+def floor_process(upstream: str) -> Iterator[str]:
+    """Run :mod:`benchmarks.floor_proxy` in front of the llama-server at ``upstream``
+    (``http://127.0.0.1:PORT``); yields its base URL once it answers. Always stops it."""
+    port = free_port()
+    upstream_port = upstream.rsplit(":", 1)[1]
+    argv = [sys.executable, "-m", "benchmarks.floor_proxy", str(port), upstream_port]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the floor proxy did not answer: {argv}")
+            time.sleep(0.05)
+        yield base
     finally:
         _stop(proc)
 

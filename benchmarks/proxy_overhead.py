@@ -1,30 +1,33 @@
-"""Proxy overhead and cold start: the host and llama-server's router mode vs the same
-llama-server directly.
+"""Proxy overhead and cold start: the host, llama-server's router mode and a minimal
+Python proxy vs the same llama-server directly.
 
     python -m benchmarks.proxy_overhead [--requests 300] [--streams 8] [--tokens 128]
     python -m benchmarks.proxy_overhead --quick     # smoke run: 40 rounds, 2 streams, 1 cold
 
 One llama-server binary (resolved once, given to the host and the router) and one generated
-``tiny`` model serve three paths:
+``tiny`` model serve four paths:
 
 - ``direct``: the host's own engine, on its own port;
 - ``host``: gezel-trio in front of that same engine;
 - ``router``: ``llama-server --models-dir DIR`` (router mode), which proxies to a child
-  llama-server it spawns for the model (same binary, model, slots and context).
+  llama-server it spawns for the model (same binary, model, slots and context);
+- ``floor``: :mod:`benchmarks.floor_proxy` in front of the host's engine, the least a
+  Python proxy on trio does (framing only, one upstream connection per request): what
+  Python and trio alone add on this machine, whatever the host does besides.
 
 1. Added latency of a non-streamed 1-token chat completion (``/v1/chat/completions``,
    ``max_tokens`` 1, temperature 0), the headline figure, and of a 1-token text completion
    (``/v1/completions``). Each round sends one chat and one text request down every path,
-   one after another, warm, the order of the three paths rotated each round so drift
+   one after another, warm, the order of the paths rotated each round so drift
    cancels. Reports median and p99 of each path and the added median and p99 of
-   host - direct and router - direct (differences of the percentiles).
+   host, router and floor minus direct (differences of the percentiles).
    Also counts the TCP connections opened per 100 of those requests: by the benchmark's
    own keep-alive client on each path, and by the host to its engine (``tcp_connect`` in
    the engine's ``upstream_calls`` on ``/api/status``).
 2. Throughput of N concurrent streams (``ignore_eos``, fixed length): total tokens per
    second of each path, the median of several rounds (path order rotated each round);
-   host / direct (and router / direct) is the figure, and each path's range of rounds
-   shows how much of a difference is noise.
+   host / direct (router and floor / direct beside it) is the figure, and each path's
+   range of rounds shows how much of a difference is noise.
 3. Cold start: a fresh host, first request to first token, minus llama-server's own
    spawn-to-/health-200 time (reported by the supervisor) and minus a warm request's TTFT:
    what the host adds to a cold start.
@@ -54,9 +57,10 @@ from gezel_bench.targets import (
 )
 from gezel_trio.engine.demo_model import write_demo_model
 
-from ._harness import host_process, median, pct, write_result
+from ._harness import floor_process, host_process, median, pct, write_result
 
-PATHS = ("direct", "host", "router")
+PATHS = ("direct", "host", "router", "floor")
+PROXIES = PATHS[1:]
 KINDS = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
 MODEL = "tiny"
 CTX_PER_SLOT = 512
@@ -135,7 +139,7 @@ def _summary(samples: dict[str, list[float]], rounds: int) -> dict[str, float]:
     for path in PATHS:
         out[f"{path}_median_ms"] = median(samples[path])
         out[f"{path}_p99_ms"] = pct(samples[path], 99)
-    for path in ("host", "router"):
+    for path in PROXIES:
         out[f"{path}_added_median_ms"] = out[f"{path}_median_ms"] - out["direct_median_ms"]
         out[f"{path}_added_p99_ms"] = out[f"{path}_p99_ms"] - out["direct_p99_ms"]
     out["requests"] = rounds
@@ -150,7 +154,9 @@ async def _upstream_connections(host: str, client: httpx.AsyncClient) -> int | N
 
 
 async def _latency(bases: dict[str, str], rounds: int) -> dict[str, Any]:
-    samples = {kind: {path: [] for path in PATHS} for kind in KINDS}
+    samples: dict[str, dict[str, list[float]]] = {
+        kind: {path: [] for path in PATHS} for kind in KINDS
+    }
     async with httpx.AsyncClient(timeout=60) as client:
         poster = _Poster(client)
         for i in range(WARMUP_ROUNDS):  # warm every path (the router loads its child here)
@@ -211,6 +217,7 @@ async def _throughput(
     out |= {f"{path}_tok_s": median(tps[path]) for path in PATHS}
     out["ratio"] = out["host_tok_s"] / out["direct_tok_s"]
     out["router_ratio"] = out["router_tok_s"] / out["direct_tok_s"]
+    out["floor_ratio"] = out["floor_tok_s"] / out["direct_tok_s"]
     out["rounds"] = rounds
     # the spread of one path's rounds: how far apart two medians can be by noise alone
     out |= {f"{path}_tok_s_range": [min(tps[path]), max(tps[path])] for path in PATHS}
@@ -233,14 +240,16 @@ def _host_engine(host: str, engine: EngineCommand) -> dict[str, Any]:
 
 async def _warm_paths(
     host: str,
+    floor: str,
     host_engine: dict[str, Any],
     engine: EngineCommand,
     settings: LaunchSettings,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    """Latency and throughput of the three paths, with the host already running."""
+    """Latency and throughput of every path, with the host and the floor already running."""
     async with open_target("router", settings=settings, engine=engine) as router:
         bases = {"direct": host_engine["url"], "host": host, "router": router.base_url}
+        bases["floor"] = floor
         latency = await _latency(bases, args.requests)
         throughput = await _throughput(bases, args.streams, args.tokens, args.stream_rounds)
     return {
@@ -320,7 +329,8 @@ def _table(result: dict[str, Any]) -> str:
         f"direct {tp['direct_tok_s']:.0f} tok/s (rounds {lo:.0f}-{hi:.0f}), "
         f"host {tp['host_tok_s']:.0f} "
         f"({tp['ratio']:.3f} of direct, target >= {TARGET_RATIO}), "
-        f"router {tp['router_tok_s']:.0f} ({tp['router_ratio']:.3f})"
+        f"router {tp['router_tok_s']:.0f} ({tp['router_ratio']:.3f}), "
+        f"floor {tp['floor_tok_s']:.0f} ({tp['floor_ratio']:.3f})"
     )
     cs = result["cold_start"]
     lines.append(
@@ -366,7 +376,8 @@ def main() -> None:
     )
     with host_process(spec) as (base, _):
         host_engine = _host_engine(base, engine)
-        result = trio.run(_warm_paths, base, host_engine, engine, settings, args)
+        with floor_process(host_engine["url"]) as floor:
+            result = trio.run(_warm_paths, base, floor, host_engine, engine, settings, args)
     colds = []
     for _ in range(args.cold_runs):
         with host_process(spec) as (base, _):
