@@ -98,7 +98,9 @@ async def test_hot_routes_go_through_the_lean_front_with_auth_errors_and_the_log
             big = {**CHAT, "messages": [{"role": "user", "content": "x" * 5000}]}
             r = await client.post("/v1/chat/completions", json=big, headers=auth)
             assert r.status_code == 413
-            assert "larger than the limit of 4096 bytes" in r.json()["error"]["message"]
+            message = r.json()["error"]["message"]
+            assert "larger than the limit of 4096 bytes" in message
+            assert "[server] max_body_bytes" in message
             r = await client.post(
                 "/v1/chat/completions",
                 content=b"{not json",

@@ -89,7 +89,10 @@ def http_error_message(
     messages = {
         404: f"no such endpoint: {method} {path[:200]}",
         405: f"method {method} is not allowed on {path[:200]}",
-        413: f"the request body is larger than the limit of {max_body_bytes} bytes",
+        413: (
+            f"the request body is larger than the limit of {max_body_bytes} bytes: "
+            "send a smaller one, or raise [server] max_body_bytes"
+        ),
     }
     return messages.get(status, description)
 
