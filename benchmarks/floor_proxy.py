@@ -1,28 +1,41 @@
-"""The floor: the least a Python proxy on trio can do, to put the host's added latency
-beside what any Python proxy adds on the same machine.
+"""The floor: the least a Python proxy on trio does, to put the host's added latency beside
+what any Python proxy adds on the same machine.
 
-    python -m benchmarks.floor_proxy PORT UPSTREAM_PORT
+    python -m benchmarks.floor_proxy PORT UPSTREAM_PORT [--streamed]
 
 Listens on 127.0.0.1:PORT and forwards every request to the llama-server on
 127.0.0.1:UPSTREAM_PORT, as the host and llama-server's router do: one new upstream
-connection per request. It parses only what framing needs (the request's
-``Content-Length``, the answer's ``Content-Length`` or chunked end) on bare trio sockets,
-copies the answer's head and body through unchanged (a ``Connection: close`` too: the
-client then reconnects, as llama-server's own clients do after its errors), and keeps the
-client's connection alive otherwise. No routing, scheduling, validation, model names, logs, metrics, deadlines or error
-handling: it is not a product, only a measure. ``proxy_overhead`` runs it as its
-``floor`` path.
+connection per request, the client's kept alive. It parses only what framing needs (the
+request's ``Content-Length``, the answer's ``Content-Length`` or chunked end) on bare trio
+sockets. Two ways:
+
+- relayed (the default): the answer's head and body are copied through unchanged (a
+  ``Connection: close`` too: the client then reconnects, as llama-server's own clients do
+  after its errors);
+- ``--streamed``: a completion the client asked for whole (``/v1/chat/completions`` or
+  ``/v1/completions`` without ``stream``) is asked of the engine as a stream and its
+  events are assembled into one answer, as the host does so that a client who leaves
+  stops the engine at once (``benchmarks.engine_disconnect`` says why). Every other
+  request is relayed.
+
+No routing, scheduling, validation, model names, logs, metrics, deadlines or error
+handling: it is not a product, only a measure. ``proxy_overhead`` runs both, as its
+``floor`` and ``floor_streamed`` paths.
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
+from functools import partial
+from typing import Any
 
 import trio
 
 HEAD_END = b"\r\n\r\n"
 CHUNKED_END = b"0\r\n\r\n"
+ASSEMBLED = (b"/v1/chat/completions", b"/v1/completions")
 
 
 class _Closed(Exception):
@@ -34,6 +47,12 @@ async def _receive(sock: trio.socket.SocketType) -> bytes:
     if not data:
         raise _Closed
     return data
+
+
+async def _send(sock: trio.socket.SocketType, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[await sock.send(view) :]
 
 
 async def _head(sock: trio.socket.SocketType, buffer: bytes) -> tuple[bytes, bytes]:
@@ -49,7 +68,7 @@ def _content_length(head: bytes) -> int | None:
     return None if at < 0 else int(head[at + 17 :].split(b"\r\n", 1)[0])
 
 
-async def _forward_answer(upstream: trio.socket.SocketType, client: trio.socket.SocketType) -> None:
+async def _relay_answer(upstream: trio.socket.SocketType, client: trio.socket.SocketType) -> None:
     """Copy one answer from ``upstream`` to ``client``, up to the end its framing gives."""
     head, body = await _head(upstream, b"")
     await _send(client, head + body)
@@ -68,13 +87,73 @@ async def _forward_answer(upstream: trio.socket.SocketType, client: trio.socket.
         tail = (tail + data)[-len(CHUNKED_END) :]
 
 
-async def _send(sock: trio.socket.SocketType, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[await sock.send(view) :]
+def _as_stream(request: bytes) -> bytes | None:
+    """``request`` (head and body) asking for its completion as a stream, or None if it is
+    not a whole-answer completion."""
+    head, _, body = request.partition(HEAD_END)
+    line, _, _ = head.partition(b"\r\n")
+    if line.split(b" ")[1] not in ASSEMBLED:
+        return None
+    fields = json.loads(body)
+    if fields.get("stream"):
+        return None
+    fields |= {"stream": True, "stream_options": {"include_usage": True}}
+    body = json.dumps(fields).encode()
+    return b"%s\r\nHost: engine\r\nContent-Type: application/json\r\nContent-Length: %d%s%s" % (
+        line,
+        len(body),
+        HEAD_END,
+        body,
+    )
 
 
-async def _serve_client(client: trio.socket.SocketType, upstream_port: int) -> None:
+async def _assembled_answer(upstream: trio.socket.SocketType) -> bytes:
+    """Read a chunked stream of completion events to its end; the one answer they make."""
+    head, body = await _head(upstream, b"")
+    while not body.endswith(CHUNKED_END):
+        body += await _receive(upstream)
+    events = bytearray()
+    while True:
+        size, _, body = body.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            break
+        events += body[:n]
+        body = body[n + 2 :]
+    answer: dict[str, Any] = {}
+    texts: dict[int, str] = {}
+    for line in bytes(events).split(b"\n"):
+        if not line.startswith(b"data: {"):
+            continue
+        event = json.loads(line[6:])
+        for choice in event.pop("choices", None) or ():
+            index = choice["index"]
+            piece = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+            texts[index] = texts.get(index, "") + piece
+            if choice.get("finish_reason"):
+                answer.setdefault("finish", {})[index] = choice["finish_reason"]
+        answer |= event
+    finish = answer.pop("finish", {})
+    chat = answer.get("object") == "chat.completion.chunk"
+    answer["object"] = "chat.completion" if chat else "text_completion"
+    answer["choices"] = [
+        {"index": i, "finish_reason": finish.get(i)}
+        | ({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        for i, text in sorted(texts.items())
+    ]
+    out = json.dumps(answer).encode()
+    status = head.partition(b"\r\n")[0]
+    return b"%s\r\nContent-Type: application/json\r\nContent-Length: %d%s%s" % (
+        status,
+        len(out),
+        HEAD_END,
+        out,
+    )
+
+
+async def _serve_client(
+    client: trio.socket.SocketType, upstream_port: int, *, streamed: bool
+) -> None:
     buffer = b""
     with client:
         try:
@@ -84,16 +163,22 @@ async def _serve_client(client: trio.socket.SocketType, upstream_port: int) -> N
                 while len(buffer) < length:
                     buffer += await _receive(client)
                 request, buffer = head + buffer[:length], buffer[length:]
+                as_stream = _as_stream(request) if streamed else None
                 with trio.socket.socket() as upstream:
                     upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     await upstream.connect(("127.0.0.1", upstream_port))
-                    await _send(upstream, request)
-                    await _forward_answer(upstream, client)
+                    if as_stream is None:
+                        await _send(upstream, request)
+                        await _relay_answer(upstream, client)
+                        continue
+                    await _send(upstream, as_stream)
+                    answer = await _assembled_answer(upstream)
+                await _send(client, answer)
         except (_Closed, OSError):
             return
 
 
-async def serve(port: int, upstream_port: int) -> None:
+async def serve(port: int, upstream_port: int, *, streamed: bool = False) -> None:
     """Serve until cancelled."""
     listener = trio.socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -103,8 +188,12 @@ async def serve(port: int, upstream_port: int) -> None:
         while True:
             client, _ = await listener.accept()
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            nursery.start_soon(_serve_client, client, upstream_port)
+            nursery.start_soon(partial(_serve_client, client, upstream_port, streamed=streamed))
+
+
+async def _main(argv: list[str]) -> None:
+    await serve(int(argv[1]), int(argv[2]), streamed="--streamed" in argv[3:])
 
 
 if __name__ == "__main__":
-    trio.run(serve, int(sys.argv[1]), int(sys.argv[2]))
+    trio.run(_main, sys.argv)

@@ -13,7 +13,9 @@ One llama-server binary (resolved once, given to the host and the router) and on
   llama-server it spawns for the model (same binary, model, slots and context);
 - ``floor``: :mod:`benchmarks.floor_proxy` in front of the host's engine, the least a
   Python proxy on trio does (framing only, one upstream connection per request): what
-  Python and trio alone add on this machine, whatever the host does besides.
+  Python and trio alone add on this machine, whatever the host does besides;
+- ``floor_streamed``: the same with ``--streamed``: a whole-answer completion is asked of
+  the engine as a stream and assembled, as the host does for walk-away.
 
 1. Added latency of a non-streamed 1-token chat completion (``/v1/chat/completions``,
    ``max_tokens`` 1, temperature 0), the headline figure, and of a 1-token text completion
@@ -59,7 +61,7 @@ from gezel_trio.engine.demo_model import write_demo_model
 
 from ._harness import floor_process, host_process, median, pct, write_result
 
-PATHS = ("direct", "host", "router", "floor")
+PATHS = ("direct", "host", "router", "floor", "floor_streamed")
 PROXIES = PATHS[1:]
 KINDS = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
 MODEL = "tiny"
@@ -218,6 +220,7 @@ async def _throughput(
     out["ratio"] = out["host_tok_s"] / out["direct_tok_s"]
     out["router_ratio"] = out["router_tok_s"] / out["direct_tok_s"]
     out["floor_ratio"] = out["floor_tok_s"] / out["direct_tok_s"]
+    out["floor_streamed_ratio"] = out["floor_streamed_tok_s"] / out["direct_tok_s"]
     out["rounds"] = rounds
     # the spread of one path's rounds: how far apart two medians can be by noise alone
     out |= {f"{path}_tok_s_range": [min(tps[path]), max(tps[path])] for path in PATHS}
@@ -240,7 +243,7 @@ def _host_engine(host: str, engine: EngineCommand) -> dict[str, Any]:
 
 async def _warm_paths(
     host: str,
-    floor: str,
+    floors: dict[str, str],
     host_engine: dict[str, Any],
     engine: EngineCommand,
     settings: LaunchSettings,
@@ -249,7 +252,7 @@ async def _warm_paths(
     """Latency and throughput of every path, with the host and the floor already running."""
     async with open_target("router", settings=settings, engine=engine) as router:
         bases = {"direct": host_engine["url"], "host": host, "router": router.base_url}
-        bases["floor"] = floor
+        bases |= floors
         latency = await _latency(bases, args.requests)
         throughput = await _throughput(bases, args.streams, args.tokens, args.stream_rounds)
     return {
@@ -330,7 +333,8 @@ def _table(result: dict[str, Any]) -> str:
         f"host {tp['host_tok_s']:.0f} "
         f"({tp['ratio']:.3f} of direct, target >= {TARGET_RATIO}), "
         f"router {tp['router_tok_s']:.0f} ({tp['router_ratio']:.3f}), "
-        f"floor {tp['floor_tok_s']:.0f} ({tp['floor_ratio']:.3f})"
+        f"floor {tp['floor_tok_s']:.0f} ({tp['floor_ratio']:.3f}), "
+        f"floor_streamed {tp['floor_streamed_tok_s']:.0f} ({tp['floor_streamed_ratio']:.3f})"
     )
     cs = result["cold_start"]
     lines.append(
@@ -376,8 +380,12 @@ def main() -> None:
     )
     with host_process(spec) as (base, _):
         host_engine = _host_engine(base, engine)
-        with floor_process(host_engine["url"]) as floor:
-            result = trio.run(_warm_paths, base, floor, host_engine, engine, settings, args)
+        with (
+            floor_process(host_engine["url"]) as floor,
+            floor_process(host_engine["url"], streamed=True) as floor_streamed,
+        ):
+            floors = {"floor": floor, "floor_streamed": floor_streamed}
+            result = trio.run(_warm_paths, base, floors, host_engine, engine, settings, args)
     colds = []
     for _ in range(args.cold_runs):
         with host_process(spec) as (base, _):

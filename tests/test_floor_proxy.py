@@ -1,7 +1,9 @@
 """The floor proxy that ``proxy_overhead`` measures beside the host
 (:mod:`benchmarks.floor_proxy`) relays llama-server's answers whole, or its figure would
-be the figure of a proxy that does less than forward: a unary answer and a stream on one
-keep-alive client connection, and an error, against a real llama-server.
+be the figure of a proxy that does less than forward: whole chat and text completions and
+a stream on one keep-alive client connection, and an error, against a real llama-server;
+relayed, and with ``--streamed`` (a whole answer asked of the engine as a stream and
+assembled: the same text, finish reason and token count as the engine's own).
 """
 
 from __future__ import annotations
@@ -9,8 +11,10 @@ from __future__ import annotations
 import json
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 import trio
 
 from benchmarks.floor_proxy import serve
@@ -23,6 +27,8 @@ CHAT = {
     "max_tokens": 8,
     "temperature": 0,
 }
+TEXT = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
+WHOLE = (("/v1/chat/completions", CHAT), ("/v1/completions", TEXT))
 STREAM = {"prompt": "The quick brown fox", "n_predict": 8, "temperature": 0, "stream": True}
 
 
@@ -37,8 +43,9 @@ def _streamed_text(body: bytes) -> tuple[str, bool]:
     return text, stopped
 
 
-async def test_the_floor_proxy_relays_answers_whole_on_one_client_connection(
-    tiny_model: Path,
+@pytest.mark.parametrize("streamed", [False, True], ids=["relayed", "streamed"])
+async def test_the_floor_proxy_forwards_answers_whole_on_one_client_connection(
+    tiny_model: Path, streamed: bool
 ) -> None:
     port = free_port()
     connects = 0
@@ -52,10 +59,13 @@ async def test_the_floor_proxy_relays_answers_whole_on_one_client_connection(
             open_llama_server(tiny_model, parallel=1, ctx=1024) as engine,
             trio.open_nursery() as nursery,
         ):
-            nursery.start_soon(partial(serve, port, int(engine.base_url.rsplit(":", 1)[1])))
+            upstream = int(engine.base_url.rsplit(":", 1)[1])
+            nursery.start_soon(partial(serve, port, upstream, streamed=streamed))
             async with httpx.AsyncClient(timeout=60) as client:
-                direct = await client.post(engine.base_url + "/v1/chat/completions", json=CHAT)
-                direct_stream = await client.post(engine.base_url + "/completion", json=STREAM)
+                direct = [
+                    await client.post(engine.base_url + path, json=body)
+                    for path, body in (*WHOLE, ("/completion", STREAM))
+                ]
                 floor = f"http://127.0.0.1:{port}"
                 while True:  # the listener is up once a connection is accepted
                     try:
@@ -64,20 +74,31 @@ async def test_the_floor_proxy_relays_answers_whole_on_one_client_connection(
                     except httpx.ConnectError:
                         await trio.sleep(0.02)
                 ext = {"trace": count}
-                relayed = await client.post(
-                    floor + "/v1/chat/completions", json=CHAT, extensions=ext
-                )
-                stream = await client.post(floor + "/completion", json=STREAM, extensions=ext)
-                again = await client.post(floor + "/v1/chat/completions", json=CHAT, extensions=ext)
+                forwarded = [
+                    await client.post(floor + path, json=body, extensions=ext)
+                    for path, body in (*WHOLE, ("/completion", STREAM), *WHOLE)
+                ]
                 # last: llama-server closes after an error, and its head is relayed as it is
                 missing = await client.get(floor + "/no/such/route")
             nursery.cancel_scope.cancel()
 
-    assert relayed.status_code == again.status_code == 200
-    answers = [r.json()["choices"][0]["message"]["content"] for r in (direct, relayed, again)]
-    assert answers[0] and answers[0] == answers[1] == answers[2]
+    chat, text, stream, *again = forwarded
+    for answer in (chat, text, *again):
+        assert answer.status_code == 200, answer.text
+        # an assembled answer has the proxy's own head; a relayed one, the engine's
+        assert ("server" in answer.headers) is not streamed
+    for got, want in zip((chat, text, *again), direct[:2] * 2, strict=True):
+        assert _whole(got.json()) == _whole(want.json()) and _whole(want.json())[0]
     assert stream.headers["transfer-encoding"] == "chunked"
-    text, stopped = _streamed_text(stream.content)
-    assert (text, stopped) == _streamed_text(direct_stream.content) and text and stopped
+    streamed_text, stopped = _streamed_text(stream.content)
+    assert (streamed_text, stopped) == _streamed_text(direct[2].content)
+    assert streamed_text and stopped
     assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
     assert connects == 0  # each 200 rode the connection the health check opened
+
+
+def _whole(answer: dict[str, Any]) -> tuple[str, str, int]:
+    """(text, finish reason, completion tokens) of a whole chat or text completion."""
+    choice = answer["choices"][0]
+    text = choice["message"]["content"] if "message" in choice else choice["text"]
+    return text, choice["finish_reason"], answer["usage"]["completion_tokens"]
