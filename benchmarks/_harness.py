@@ -135,12 +135,12 @@ def llama_server_process(*, parallel: int, ctx_size: int) -> Iterator[tuple[int,
 
 @contextmanager
 def floor_process(upstream: str, *, streamed: bool = False) -> Iterator[str]:
-    """Run :mod:`benchmarks.floor_proxy` in front of the llama-server at ``upstream``
+    """Run :mod:`benchmarks._floor_proxy` in front of the llama-server at ``upstream``
     (``http://127.0.0.1:PORT``), with ``--streamed`` if ``streamed``; yields its base URL
     once it answers. Always stops it."""
     port = free_port()
     upstream_port = upstream.rsplit(":", 1)[1]
-    argv = [sys.executable, "-m", "benchmarks.floor_proxy", str(port), upstream_port]
+    argv = [sys.executable, "-m", "benchmarks._floor_proxy", str(port), upstream_port]
     argv += ["--streamed"] if streamed else []
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"

@@ -11,7 +11,7 @@ One llama-server binary (resolved once, given to the host and the router) and on
 - ``host``: gezel-trio in front of that same engine;
 - ``router``: ``llama-server --models-dir DIR`` (router mode), which proxies to a child
   llama-server it spawns for the model (same binary, model, slots and context);
-- ``floor``: :mod:`benchmarks.floor_proxy` in front of the host's engine, the least a
+- ``floor``: :mod:`benchmarks._floor_proxy` in front of the host's engine, the least a
   Python proxy on trio does (framing only, one upstream connection per request): what
   Python and trio alone add on this machine, whatever the host does besides;
 - ``floor_streamed``: the same with ``--streamed``: a whole-answer completion is asked of

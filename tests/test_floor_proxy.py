@@ -1,5 +1,5 @@
 """The floor proxy that ``proxy_overhead`` measures beside the host
-(:mod:`benchmarks.floor_proxy`) relays llama-server's answers whole, or its figure would
+(:mod:`benchmarks._floor_proxy`) relays llama-server's answers whole, or its figure would
 be the figure of a proxy that does less than forward: whole chat and text completions and
 a stream on one keep-alive client connection, and an error, against a real llama-server;
 relayed, and with ``--streamed`` (a whole answer asked of the engine as a stream and
@@ -17,7 +17,7 @@ import httpx
 import pytest
 import trio
 
-from benchmarks.floor_proxy import serve
+from benchmarks._floor_proxy import serve
 from gezel_trio.engine.ports import free_port
 
 from ._engine_bin import open_llama_server

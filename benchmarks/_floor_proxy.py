@@ -1,7 +1,7 @@
 """The floor: the least a Python proxy on trio does, to put the host's added latency beside
 what any Python proxy adds on the same machine.
 
-    python -m benchmarks.floor_proxy PORT UPSTREAM_PORT [--streamed]
+    python -m benchmarks._floor_proxy PORT UPSTREAM_PORT [--streamed]
 
 Listens on 127.0.0.1:PORT and forwards every request to the llama-server on
 127.0.0.1:UPSTREAM_PORT, as the host and llama-server's router do: one new upstream
