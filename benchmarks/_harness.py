@@ -69,9 +69,11 @@ def toml_config(models: list[dict[str, Any]], *, port: int, state_dir: str, extr
 
 @contextmanager
 def host_process(
-    models: list[dict[str, Any]], *, extra: str = ""
+    models: list[dict[str, Any]], *, extra: str = "", program: Sequence[str] = ()
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Run ``gezel-trio serve`` in a subprocess; yields its base URL. Always stops it."""
+    """Run ``gezel-trio serve`` in a subprocess; yields its base URL. Always stops it.
+    ``program``, if given, is the command that runs gezel-trio's command line (``serve
+    --config FILE`` is appended), in place of its own script."""
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="gezel-bench-") as tmp:
         cfg = Path(tmp) / "gezel.toml"
@@ -79,8 +81,9 @@ def host_process(
         cfg.write_text(
             toml_config(models, port=port, state_dir=str(Path(tmp) / "state"), extra=extra)
         )
+        argv = [*program, "serve", "--config", str(cfg)] if program else gezel_serve_argv(cfg)
         proc = subprocess.Popen(
-            gezel_serve_argv(cfg),
+            argv,
             stdout=subprocess.DEVNULL,
             stderr=open(log, "wb"),  # noqa: SIM115
             env=dict(os.environ),
@@ -134,14 +137,17 @@ def llama_server_process(*, parallel: int, ctx_size: int) -> Iterator[tuple[int,
 
 
 @contextmanager
-def floor_process(upstream: str, *, streamed: bool = False) -> Iterator[str]:
+def floor_process(
+    upstream: str, *, streamed: bool = False, program: Sequence[str] = ()
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Run :mod:`benchmarks._floor_proxy` in front of the llama-server at ``upstream``
     (``http://127.0.0.1:PORT``), with ``--streamed`` if ``streamed``; yields its base URL
-    once it answers. Always stops it."""
+    and process once it answers. Always stops it. ``program``, if given, is the command
+    that runs the module (its arguments are appended), in place of ``python -m``."""
     port = free_port()
     upstream_port = upstream.rsplit(":", 1)[1]
-    argv = [sys.executable, "-m", "benchmarks._floor_proxy", str(port), upstream_port]
-    argv += ["--streamed"] if streamed else []
+    argv = [*(program or (sys.executable, "-m", "benchmarks._floor_proxy"))]
+    argv += [str(port), upstream_port, *(["--streamed"] if streamed else [])]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -155,7 +161,7 @@ def floor_process(upstream: str, *, streamed: bool = False) -> Iterator[str]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the floor proxy did not answer: {argv}")
             time.sleep(0.05)
-        yield base
+        yield base, proc
     finally:
         _stop(proc)
 

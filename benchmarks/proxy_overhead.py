@@ -381,8 +381,8 @@ def main() -> None:
     with host_process(spec) as (base, _):
         host_engine = _host_engine(base, engine)
         with (
-            floor_process(host_engine["url"]) as floor,
-            floor_process(host_engine["url"], streamed=True) as floor_streamed,
+            floor_process(host_engine["url"]) as (floor, _),
+            floor_process(host_engine["url"], streamed=True) as (floor_streamed, _),
         ):
             floors = {"floor": floor, "floor_streamed": floor_streamed}
             result = trio.run(_warm_paths, base, floors, host_engine, engine, settings, args)

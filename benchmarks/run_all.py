@@ -90,6 +90,7 @@ BENCHES = (
         _module("engine_disconnect", "--repeats", "1"),
     ),
     Bench("front_cost", _module("front_cost"), _module("front_cost", "--requests", "100")),
+    Bench("python_calls", _module("python_calls"), _module("python_calls", "--requests", "50")),
     Bench(
         "transport_cost",
         _module("transport_cost"),
