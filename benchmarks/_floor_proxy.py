@@ -94,8 +94,11 @@ def _as_stream(request: bytes) -> bytes | None:
     line, _, _ = head.partition(b"\r\n")
     if line.split(b" ")[1] not in ASSEMBLED:
         return None
-    fields = json.loads(body)
-    if fields.get("stream"):
+    try:
+        fields = json.loads(body)
+    except ValueError:
+        return None  # the engine says what is wrong with it
+    if not isinstance(fields, dict) or fields.get("stream"):
         return None
     fields |= {"stream": True, "stream_options": {"include_usage": True}}
     body = json.dumps(fields).encode()
@@ -108,8 +111,14 @@ def _as_stream(request: bytes) -> bytes | None:
 
 
 async def _assembled_answer(upstream: trio.socket.SocketType) -> bytes:
-    """Read a chunked stream of completion events to its end; the one answer they make."""
+    """Read a chunked stream of completion events to its end; the one answer they make. An
+    answer that is not a stream (an error) is returned as it came."""
     head, body = await _head(upstream, b"")
+    length = _content_length(head)
+    if length is not None:
+        while len(body) < length:
+            body += await _receive(upstream)
+        return head + body
     while not body.endswith(CHUNKED_END):
         body += await _receive(upstream)
     events = bytearray()

@@ -27,6 +27,8 @@ CHAT = {
     "max_tokens": 8,
     "temperature": 0,
 }
+BAD_CHAT = {"messages": "not a list", "max_tokens": 8}
+"""Refused by llama-server, with a JSON error and a ``Content-Length``, streamed or not."""
 TEXT = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
 WHOLE = (("/v1/chat/completions", CHAT), ("/v1/completions", TEXT))
 STREAM = {"prompt": "The quick brown fox", "n_predict": 8, "temperature": 0, "stream": True}
@@ -79,6 +81,10 @@ async def test_the_floor_proxy_forwards_answers_whole_on_one_client_connection(
                     for path, body in (*WHOLE, ("/completion", STREAM), *WHOLE)
                 ]
                 # last: llama-server closes after an error, and its head is relayed as it is
+                refused = await client.post(floor + "/v1/chat/completions", json=BAD_CHAT)
+                direct_refused = await client.post(
+                    engine.base_url + "/v1/chat/completions", json=BAD_CHAT
+                )
                 missing = await client.get(floor + "/no/such/route")
             nursery.cancel_scope.cancel()
 
@@ -93,6 +99,11 @@ async def test_the_floor_proxy_forwards_answers_whole_on_one_client_connection(
     streamed_text, stopped = _streamed_text(stream.content)
     assert (streamed_text, stopped) == _streamed_text(direct[2].content)
     assert streamed_text and stopped
+    assert 400 <= refused.status_code < 600 and refused.json()["error"]["message"]
+    assert (refused.status_code, refused.json()) == (
+        direct_refused.status_code,
+        direct_refused.json(),
+    )
     assert missing.status_code == 404 and missing.json()["error"]["code"] == 404
     assert connects == 0  # each 200 rode the connection the health check opened
 
