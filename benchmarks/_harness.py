@@ -90,16 +90,8 @@ def host_process(
         )
         base = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(base + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(log_tail(log, 40))
-                time.sleep(0.05)
+            if not _healthy(base, proc, within=60):
+                raise RuntimeError(log_tail(log, 40))
             yield base, proc
         finally:
             _stop(proc)
@@ -121,16 +113,8 @@ def llama_server_process(*, parallel: int, ctx_size: int) -> Iterator[tuple[int,
         argv, env=dict(engine.env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server did not become healthy: {argv}")
-            time.sleep(0.1)
+        if not _healthy(f"http://127.0.0.1:{port}", proc, within=60):
+            raise RuntimeError(f"llama-server did not become healthy: {argv}")
         yield port, engine.path
     finally:
         _stop(proc)
@@ -151,19 +135,25 @@ def floor_process(
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the floor proxy did not answer: {argv}")
-            time.sleep(0.05)
+        if not _healthy(base, proc, within=30):
+            raise RuntimeError(f"the floor proxy did not answer: {argv}")
         yield base, proc
     finally:
         _stop(proc)
+
+
+def _healthy(base: str, proc: subprocess.Popen[bytes], *, within: float) -> bool:
+    """Whether ``base + "/health"`` answers 200 within ``within`` seconds, while ``proc``
+    runs (False as soon as it has exited)."""
+    deadline = time.monotonic() + within
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    return False
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
