@@ -11,7 +11,9 @@ host's engine, :mod:`benchmarks._floor_proxy` with ``--streamed`` (the least a P
 does that streams from the engine, as the host does), each under :mod:`cProfile`, switched
 on (``SIGUSR1``) for the timed requests only. Warm 1-token requests go down each one after
 another over one keep-alive connection; the figure is cProfile's call count per request
-(Python functions and C built-ins), with the host's count over the floor's beside it.
+(Python functions and C built-ins) in the process's main thread over that window, the
+host's background work included (its log pump, health checks, slot bookkeeping: a few
+percent), with the host's count over the floor's beside it.
 
 Prints a table and writes benchmarks/results/python_calls.json.
 """
