@@ -5,7 +5,7 @@ Python proxy vs the same llama-server directly.
     python -m benchmarks.proxy_overhead --quick     # smoke run: 40 rounds, 2 streams, 1 cold
 
 One llama-server binary (resolved once, given to the host and the router) and one generated
-``tiny`` model serve four paths:
+``tiny`` model serve five paths:
 
 - ``direct``: the host's own engine, on its own port;
 - ``host``: gezel-trio in front of that same engine;
@@ -22,13 +22,13 @@ One llama-server binary (resolved once, given to the host and the router) and on
    (``/v1/completions``). Each round sends one chat and one text request down every path,
    one after another, warm, the order of the paths rotated each round so drift
    cancels. Reports median and p99 of each path and the added median and p99 of
-   host, router and floor minus direct (differences of the percentiles).
+   every other path minus direct (differences of the percentiles).
    Also counts the TCP connections opened per 100 of those requests: by the benchmark's
    own keep-alive client on each path, and by the host to its engine (``tcp_connect`` in
    the engine's ``upstream_calls`` on ``/api/status``).
 2. Throughput of N concurrent streams (``ignore_eos``, fixed length): total tokens per
    second of each path, the median of several rounds (path order rotated each round);
-   host / direct (router and floor / direct beside it) is the figure, and each path's
+   host / direct (the other paths / direct beside it) is the figure, and each path's
    range of rounds shows how much of a difference is noise.
 3. Cold start: a fresh host, first request to first token, minus llama-server's own
    spawn-to-/health-200 time (reported by the supervisor) and minus a warm request's TTFT:
@@ -249,7 +249,7 @@ async def _warm_paths(
     settings: LaunchSettings,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    """Latency and throughput of every path, with the host and the floor already running."""
+    """Latency and throughput of every path, with the host and the floors already running."""
     async with open_target("router", settings=settings, engine=engine) as router:
         bases = {"direct": host_engine["url"], "host": host, "router": router.base_url}
         bases |= floors
