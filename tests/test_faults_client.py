@@ -69,8 +69,12 @@ async def test_disconnect_mid_stream_stops_generation_and_records_the_owner(
             body = {**LONG, "stream": True, "prompt_cache_key": "chat-A"}
             async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
                 assert resp.status_code == 200
+                # Held in a name: an iterator dropped after its loop is closed by the
+                # garbage collector, and closing it closes the response, racing the
+                # check below.
+                lines = resp.aiter_lines()
                 n = 0
-                async for line in resp.aiter_lines():
+                async for line in lines:
                     n += line.startswith("data: ")
                     if n >= 3:
                         break
