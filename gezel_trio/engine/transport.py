@@ -6,15 +6,17 @@ llama-server closes the connection after every streamed answer, so each completi
 reads one answer and closes. httpx's pool (httpcore) does that with machinery made for
 connections that live on: a pool lookup and its locks, a connection object per
 request, a trace and a timeout scope around every read and write, the request's head
-and body in two writes. Measured on a streamed 1-token completion against llama-server
-(``python -m benchmarks.transport_cost``), that costs the client 0.99 ms of CPU per
-request; h11 over a bare trio socket costs 0.61, and this transport 0.72.
+and body in two writes. h11, driven directly, still checks every event against a
+state machine made for both roles and keep-alive.
 
 So a request that says ``Connection: close`` (the caller promises it will not reuse
 the connection: :meth:`EngineClient.stream <.client.EngineClient.stream>` does) goes
-over a connection of its own, driven by h11 directly: one write for the head and the
-body, reads until the answer ends, and the socket closed with the response. Every other
-request goes to the pool, unchanged.
+over a connection of its own, its bytes written and read by :mod:`.wire`: one write
+for the head and the body, reads until the answer ends, and the socket closed with the
+response. Every other request goes to the pool, unchanged. Measured on a streamed
+1-token completion against llama-server (``python -m benchmarks.transport_cost``), the
+client's CPU per request is about 0.92 of h11's over a bare trio socket, where
+httpcore's pool costs 1.5 times it.
 
 What the lean path keeps of httpx's contract, so that the client's retry rule and error
 map need not know which path a request took:
@@ -38,9 +40,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any
 
-import h11
 import httpx
 import trio
+
+from .wire import AnswerError, AnswerHead, AnswerReader, request_bytes
 
 __all__ = ["EngineTransport"]
 
@@ -108,7 +111,7 @@ class EngineTransport(httpx.AsyncBaseTransport):
             await connection.aclose()
             raise
         return httpx.Response(
-            head.status_code,
+            head.status,
             headers=head.headers,
             stream=connection,
             extensions={"http_version": b"HTTP/1.1", "reason_phrase": head.reason},
@@ -153,70 +156,67 @@ class _OneShot(httpx.AsyncByteStream):
         self._stream = stream
         self._transport: EngineTransport | None = transport
         transport.open_once += 1
-        self._h11 = h11.Connection(h11.CLIENT)
+        self._answer = AnswerReader()
         self._read_s = _seconds(timeouts, "read")
         self._write_s = _seconds(timeouts, "write")
         self._read_timeout = timeouts.get("read")
 
     async def send(self, request: httpx.Request, body: bytes) -> None:
-        target = request.url.raw_path
-        head = h11.Request(method=request.method, target=target, headers=request.headers.raw)
         try:
-            parts = [self._h11.send(head)]
-            if body:
-                parts.append(self._h11.send(h11.Data(data=body)))
-            parts.append(self._h11.send(h11.EndOfMessage()))
-        except h11.LocalProtocolError as exc:
+            message = request_bytes(request.method, request.url.raw_path, request.headers.raw, body)
+        except ValueError as exc:
             raise httpx.LocalProtocolError(str(exc)) from exc
         try:
             with trio.fail_after(self._write_s):
-                await self._stream.send_all(b"".join(p for p in parts if p))
+                await self._stream.send_all(message)
         except trio.TooSlowError as exc:
             raise httpx.WriteTimeout("the engine took nothing of the request in time") from exc
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise httpx.WriteError(str(exc)) from exc
 
-    async def _next_event(self) -> Any:
-        while True:
-            try:
-                event = self._h11.next_event()
-            except h11.RemoteProtocolError as exc:
-                raise httpx.RemoteProtocolError(str(exc)) from exc
-            if event is not h11.NEED_DATA:
-                return event
-            try:
-                # a bare scope: fail_after's wrappers cost more than the read, per read
-                with trio.CancelScope(deadline=trio.current_time() + self._read_s) as scope:
-                    data = await self._stream.receive_some(_READ_SIZE)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                raise httpx.ReadError(str(exc)) from exc
-            if scope.cancelled_caught:
-                raise httpx.ReadTimeout(f"the engine sent nothing for {self._read_timeout}s")
-            if not data and self._h11.their_state is h11.SEND_RESPONSE:
-                raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
-            try:
-                self._h11.receive_data(data)
-            except h11.RemoteProtocolError as exc:
-                raise httpx.RemoteProtocolError(str(exc)) from exc
+    async def _receive(self) -> bytes:
+        """The next bytes the engine sends (``b""`` at its end of the connection)."""
+        try:
+            # a bare scope: fail_after's wrappers cost more than the read, per read
+            with trio.CancelScope(deadline=trio.current_time() + self._read_s) as scope:
+                data = await self._stream.receive_some(_READ_SIZE)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise httpx.ReadError(str(exc)) from exc
+        if scope.cancelled_caught:
+            raise httpx.ReadTimeout(f"the engine sent nothing for {self._read_timeout}s")
+        return data
 
-    async def receive_head(self) -> h11.Response:
+    async def receive_head(self) -> AnswerHead:
+        answer = self._answer
         while True:
-            event = await self._next_event()
-            if isinstance(event, h11.Response):
-                return event
-            if isinstance(event, h11.ConnectionClosed):
+            try:
+                head = answer.head()
+            except AnswerError as exc:
+                raise httpx.RemoteProtocolError(str(exc)) from exc
+            if head is not None:
+                return head
+            data = await self._receive()
+            if not data:
                 raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
-            # an informational response (1xx): the answer's head is still to come
+            answer.feed(data)
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
+        answer = self._answer
         while True:
-            event = await self._next_event()
-            if isinstance(event, h11.Data):
-                yield bytes(event.data)
-            elif isinstance(event, h11.EndOfMessage):
+            try:
+                data = answer.body()
+            except AnswerError as exc:
+                raise httpx.RemoteProtocolError(str(exc)) from exc
+            if data:
+                yield data
+            if answer.done:
                 return
-            elif isinstance(event, h11.ConnectionClosed):
+            more = await self._receive()
+            if not more:
+                if answer.ends_with_connection:
+                    return
                 raise httpx.RemoteProtocolError("the engine closed the connection mid-answer")
+            answer.feed(more)
 
     async def aclose(self) -> None:
         """Close the connection at once (safe while cancelled); again is a no-op."""
