@@ -249,3 +249,22 @@ def _contents(stream: bytes) -> list[str]:
         if line.startswith(b"data: {"):
             out.append(json.loads(line[6:]).get("content", ""))
     return out
+
+
+async def test_a_head_request_goes_to_the_pool_even_when_it_closes() -> None:
+    """A HEAD's answer announces a body that never comes: only the pool reads it right."""
+    head_answer = b"HTTP/1.1 200 OK\r\nContent-Length: 42\r\n\r\n"
+
+    async def answer(stream: trio.SocketStream) -> None:
+        await stream.send_all(head_answer)
+
+    async with serving(answer) as server, client_for(server) as client:
+        request = httpx.Request(
+            "HEAD", f"{server.base_url}/health", headers={"Connection": "close"}
+        )
+        with trio.fail_after(5):
+            resp = await client._transport.handle_async_request(request)  # type: ignore[attr-defined]
+            await resp.aread()
+        await resp.aclose()
+    assert resp.status_code == 200 and resp.content == b""
+    assert client.pool.handled == 1  # type: ignore[attr-defined]

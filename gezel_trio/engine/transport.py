@@ -53,8 +53,10 @@ Trace = Callable[[str, Mapping[str, Any]], Awaitable[None]]
 
 
 def _uses_connection_once(request: httpx.Request) -> bool:
+    """The request says ``Connection: close`` (and is not a ``HEAD``, whose answer's
+    framing headers describe a body that never comes: the pool knows that)."""
     value = request.headers.get("connection")
-    return value is not None and value.lower() == "close"
+    return value is not None and value.lower() == "close" and request.method != "HEAD"
 
 
 def _seconds(timeouts: Mapping[str, float | None], key: str) -> float:

@@ -84,7 +84,8 @@ _TRAILERS = 5  # trailer lines until an empty one
 class AnswerReader:
     """Reads one answer: :meth:`feed` it the bytes that arrive; :meth:`head` gives the
     head once it is whole, then :meth:`body` the body's bytes as they come, de-framed,
-    until :attr:`done`. An informational (1xx) head is skipped."""
+    until :attr:`done`. An informational (1xx) head is skipped. Not for the answer to
+    a ``HEAD`` request (its framing headers describe a body that never comes)."""
 
     def __init__(self) -> None:
         self._buffer = bytearray()
