@@ -1,8 +1,9 @@
 """EngineTransport: a request that uses its connection once goes over a connection of
-its own (h11 over a bare socket); every other one goes to httpx's pool. Against a real
-socket server, a few lines of trio that answer as each test tells them, so that each
-case (a chunked stream, a close before the head, an answer cut midway, silence, a
-caller that leaves) is what the transport meets on the wire; and against llama-server.
+its own (its bytes written and read by engine.wire); every other one goes to httpx's
+pool. Against a real socket server, a few lines of trio that answer as each test tells
+them, so that each case (a chunked stream, a close before the head, an answer cut
+midway, silence, a caller that leaves) is what the transport meets on the wire; and
+against llama-server.
 """
 
 from __future__ import annotations
