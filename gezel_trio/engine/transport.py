@@ -33,6 +33,7 @@ map need not know which path a request took:
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import math
 import socket
@@ -93,13 +94,14 @@ class EngineTransport(httpx.AsyncBaseTransport):
         trace: Trace | None = request.extensions.get("trace")
         url = request.url
         port = url.port or 80
+        deadline = trio.current_time() + _seconds(timeouts, "connect")
         try:
-            with trio.fail_after(_seconds(timeouts, "connect")):
+            with trio.CancelScope(deadline=deadline) as scope:  # (see _OneShot._receive)
                 stream = await _connect(url.host, port)
-        except trio.TooSlowError as exc:
-            raise httpx.ConnectTimeout(f"no connection within {timeouts.get('connect')}s") from exc
         except OSError as exc:
             raise httpx.ConnectError(str(exc)) from exc
+        if scope.cancelled_caught:
+            raise httpx.ConnectTimeout(f"no connection within {timeouts.get('connect')}s")
         connection = _OneShot(stream, timeouts, self)
         try:
             if trace is not None:
@@ -128,13 +130,22 @@ class EngineTransport(httpx.AsyncBaseTransport):
         await self.aclose()
 
 
+@functools.lru_cache(maxsize=64)
+def _address_family(host: str) -> socket.AddressFamily | None:
+    """The family of ``host`` when it is an IP address, None when it is a name (an
+    engine's host is one of a few, asked for on every connection)."""
+    try:
+        return socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    except ValueError:
+        return None
+
+
 async def _connect(host: str, port: int) -> trio.SocketStream:
     """A TCP connection to ``host``: an address is connected to directly (what
     :func:`trio.open_tcp_stream` does for a name, racing its addresses, costs a task);
     cancellation closes the socket."""
-    try:
-        family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
-    except ValueError:
+    family = _address_family(host)
+    if family is None:
         return await trio.open_tcp_stream(host, port)
     sock = trio.socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -169,17 +180,17 @@ class _OneShot(httpx.AsyncByteStream):
         except ValueError as exc:
             raise httpx.LocalProtocolError(str(exc)) from exc
         try:
-            with trio.fail_after(self._write_s):
+            with trio.CancelScope(deadline=trio.current_time() + self._write_s) as scope:
                 await self._stream.send_all(message)
-        except trio.TooSlowError as exc:
-            raise httpx.WriteTimeout("the engine took nothing of the request in time") from exc
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             raise httpx.WriteError(str(exc)) from exc
+        if scope.cancelled_caught:
+            raise httpx.WriteTimeout("the engine took nothing of the request in time")
 
     async def _receive(self) -> bytes:
         """The next bytes the engine sends (``b""`` at its end of the connection)."""
         try:
-            # a bare scope: fail_after's wrappers cost more than the read, per read
+            # a bare scope: fail_after's wrappers cost more than the read
             with trio.CancelScope(deadline=trio.current_time() + self._read_s) as scope:
                 data = await self._stream.receive_some(_READ_SIZE)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
@@ -221,8 +232,10 @@ class _OneShot(httpx.AsyncByteStream):
             answer.feed(more)
 
     async def aclose(self) -> None:
-        """Close the connection at once (safe while cancelled); again is a no-op."""
+        """Close the connection at once; again is a no-op. It never waits, so
+        cancellation cannot cut it (it does not checkpoint: closing a socket is
+        synchronous, and the caller's next await is one)."""
         if self._transport is not None:
             self._transport.open_once -= 1
             self._transport = None
-        await trio.aclose_forcefully(self._stream)
+        self._stream.socket.close()
