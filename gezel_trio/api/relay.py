@@ -32,7 +32,6 @@ from quart import Response
 
 from ..engine.client import UpstreamHead, UpstreamResult, sse_error_event
 from ..engine.sse import data_payloads
-from ..engine.usage import token_counts
 from ..errors import EngineCrashed, EngineFailed, GezelError
 from ..front_guard import call_when_client_leaves
 from ..host import Host, ModelRuntime
@@ -260,7 +259,7 @@ async def proxy_completion(
     result = answer.result
     if isinstance(result, EngineAnswer):
         return shaper.failure(result.status, result.content_type, result.content)
-    exchange.counts = token_counts(result)
+    exchange.counts = answer.counts
     return Response(
         shaper.answer(result),
         status=200,

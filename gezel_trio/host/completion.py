@@ -115,6 +115,9 @@ class Answer:
     runtime: ModelRuntime
     grant: Grant
     first_event_at: float | None
+    counts: Counts
+    """The answer's (prompt, cached, completion) tokens, read once (all None for an
+    engine's error answer)."""
 
 
 Item = UpstreamHead | bytes | GezelError
@@ -403,9 +406,11 @@ class CompletionService:
                 )
                 self._resent += 1
                 runtime = self._resend_to(runtime, owner)
+        counts: Counts = (None, None, None)
         if not isinstance(result, EngineAnswer):
-            _verify_restore(runtime, grant, token_counts(result))
-        return Answer(result, runtime, grant, first)
+            counts = token_counts(result)
+            _verify_restore(runtime, grant, counts)
+        return Answer(result, runtime, grant, first, counts)
 
     # ------------------------------------------------------------------ streamed
 
