@@ -1250,6 +1250,28 @@ async def test_add_and_remove_lanes_live(
     assert served.error is None and served.end is not None
 
 
+@pytest.mark.parametrize("removed_at", [0.5, 1.5], ids=["before-the-save", "during-the-save"])
+async def test_a_lane_removed_around_an_idle_save_leaves_the_scheduler_serving(
+    autojump_clock: trio.testing.MockClock, pool: FakePool, removed_at: float
+) -> None:
+    """A reload removes a model whose idle slot is about to be saved (during
+    ``save_idle_delay``) or is being saved: the save ends quietly, and the scheduler
+    (whose nursery the save runs in) keeps serving the other models."""
+    a = ParkingFakeLane(pool, "a", parallel=1, park_time=1.0)
+    c = FakeLane(pool, "c", parallel=1)
+    async with running({"a": a, "c": c}, save_idle_delay=1.0) as h:
+        s = h.scheduler
+        h.submit(a, session="chat-1", duration=0.1)  # ends at 0.1; its save starts at 1.1
+        await trio.sleep(removed_at)
+        saving = s.policy.table("a").saving(0) is not None
+        s.remove_lane("a")
+        await trio.sleep(3.0)  # past the save's delay and its park_time
+        served = h.submit(c, session="chat-2", duration=1.0)
+    assert saving is (removed_at > 1.1)
+    assert ("chat-1" in a.parked) is saving  # the save ran only when it had begun
+    assert served.error is None and served.end is not None
+
+
 async def test_shutdown_fails_queued_and_running_submitters_with_scheduler_closed(
     autojump_clock: trio.testing.MockClock, pool: FakePool
 ) -> None:

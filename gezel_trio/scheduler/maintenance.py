@@ -286,9 +286,10 @@ class SlotMaintenance:
     ) -> _IdleSave | None:
         """Decide whether to save ``slot`` now (no I/O); if so, mark it as being saved,
         hold the engine and register the save (ended by :meth:`_end_idle_save`)."""
-        table = self._policy.table(model_id)
+        table = self._policy.served_table(model_id)
         if (
-            not self.parking(lane)
+            table is None  # removed since (a reload)
+            or not self.parking(lane)
             or not lane.ready
             or slot >= len(table)
             or table.slots[slot].released != released
@@ -328,9 +329,9 @@ class SlotMaintenance:
         release its mark, its engine hold and its waiters."""
         key = (save.model_id, save.slot)
         try:
-            self._policy.table(save.model_id).end_save(
-                save.slot, save.mark, save.session, tokens=tokens
-            )
+            table = self._policy.served_table(save.model_id)
+            if table is not None:  # (a model removed meanwhile took its table along)
+                table.end_save(save.slot, save.mark, save.session, tokens=tokens)
             if tokens is None:
                 self._policy.note_park(ok=False, idle=True)
             elif tokens:

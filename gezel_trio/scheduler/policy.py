@@ -618,6 +618,15 @@ class SchedulerPolicy:
         self.sync_table(model)
         return model.table
 
+    def served_table(self, model_id: str) -> SlotTable | None:
+        """``model_id``'s slot table (synced), or None once the model is removed: for
+        work that outlived a job of it (a background save)."""
+        model = self._models.get(model_id)
+        if model is None:
+            return None
+        self.sync_table(model)
+        return model.table
+
     def table_of(self, job: Job) -> SlotTable:
         """The slot table of ``job``'s model (even if the model was removed since)."""
         model = job.model_state
