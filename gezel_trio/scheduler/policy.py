@@ -613,10 +613,12 @@ class SchedulerPolicy:
         return [job for job in lost if isinstance(job, Job)]
 
     def table(self, model_id: str) -> SlotTable:
-        """``model_id``'s slot table (synced to its lane's current generation)."""
-        model = self._models[model_id]
-        self.sync_table(model)
-        return model.table
+        """``model_id``'s slot table (synced to its lane's current generation); raises
+        ``KeyError`` for a model that is not served."""
+        table = self.served_table(model_id)
+        if table is None:
+            raise KeyError(model_id)
+        return table
 
     def served_table(self, model_id: str) -> SlotTable | None:
         """``model_id``'s slot table (synced), or None once the model is removed: for
