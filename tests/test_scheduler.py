@@ -1272,6 +1272,76 @@ async def test_a_lane_removed_around_an_idle_save_leaves_the_scheduler_serving(
     assert served.error is None and served.end is not None
 
 
+@pytest.mark.parametrize("during", ["save", "erase"])
+async def test_a_session_erase_outlives_its_models_removal(
+    autojump_clock: trio.testing.MockClock, pool: FakePool, during: str
+) -> None:
+    """A reload removes a model while a session's erase waits for a background save of
+    its slot, or while the engine erases that slot: the erase ends without an error,
+    and the scheduler keeps serving the other models."""
+    a = ParkingFakeLane(pool, "a", parallel=1, park_time=1.0, erase_time=1.0)
+    c = FakeLane(pool, "c", parallel=1)
+    async with running({"a": a, "c": c}) as h:
+        s = h.scheduler
+        h.submit(a, session="chat-1", duration=1.0)  # ends at 1; its save runs 1 .. 2
+        await trio.sleep(1.5 if during == "save" else 2.5)
+        assert (s.policy.table("a").saving(0) is not None) is (during == "save")
+        result: list[tuple[int, int]] = []
+
+        async def erase() -> None:
+            result.append(await s.erase_session("chat-1"))
+
+        h.nursery.start_soon(erase)
+        await trio.sleep(0.2)
+        s.remove_lane("a")
+        await trio.sleep(2.0)
+        served = h.submit(c, session="chat-2", duration=1.0)
+    # The erase was not sent once its model was gone; one in flight counts as done.
+    assert result == [(0, 0)] if during == "save" else result == [(1, 0)]
+    assert served.error is None and served.end is not None
+
+
+async def test_a_planned_stops_parking_outlives_its_models_removal(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    """A reload removes a model while the parking before its engine's stop saves a
+    slot: the parking ends with that save counted and saves nothing more."""
+    a = ParkingFakeLane(pool, "a", parallel=2, park_time=1.0)
+    async with running({"a": a}, save_idle_slots=False) as h:
+        s = h.scheduler
+        h.submit(a, session="chat-1", duration=1.0)
+        h.submit(a, session="chat-2", duration=1.0)
+        await trio.sleep(1.5)
+        result: list[int] = []
+
+        async def park() -> None:
+            result.append(await s.park_owned("a"))
+
+        h.nursery.start_soon(park)
+        await trio.sleep(0.5)
+        assert len(a.parked) == 1  # the first save is in flight
+        s.remove_lane("a")
+        await trio.sleep(3.0)
+    assert result == [1] and len(a.parked) == 1
+
+
+async def test_a_job_waiting_for_a_background_save_runs_after_its_models_removal(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    """A job placed on a slot whose background save is in flight waits for the save;
+    a reload removes its model meanwhile: the job is running, so it still runs."""
+    a = ParkingFakeLane(pool, "a", parallel=1, park_time=1.0)
+    async with running({"a": a}) as h:
+        s = h.scheduler
+        h.submit(a, session="chat-1", duration=1.0)  # ends at 1; its save runs 1 .. 2
+        again = h.submit(a, at=1.2, session="chat-1", duration=1.0)
+        await trio.sleep(1.5)
+        assert s.policy.table("a").saving(0) is not None
+        s.remove_lane("a")
+        await trio.sleep(3.0)
+    assert again.error is None and again.end is not None and again.cached
+
+
 async def test_shutdown_fails_queued_and_running_submitters_with_scheduler_closed(
     autojump_clock: trio.testing.MockClock, pool: FakePool
 ) -> None:

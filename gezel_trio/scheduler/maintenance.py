@@ -29,7 +29,7 @@ from gezel_trio.kv.prefix import Prefix
 from gezel_trio.scheduler.lanes import EngineLane, can_park
 from gezel_trio.scheduler.policy import SchedulerPolicy
 from gezel_trio.scheduler.settings import SchedulerSettings
-from gezel_trio.scheduler.slots import Content
+from gezel_trio.scheduler.slots import Content, SlotTable
 from gezel_trio.scheduler.trio_job import _TrioJob
 
 __all__ = ["SlotMaintenance"]
@@ -88,8 +88,11 @@ class SlotMaintenance:
 
     async def wait_for_save(self, model_id: str, slot: int) -> None:
         """Return once no background save is in flight on ``slot`` (at most
-        ``park_timeout``: the save's own bound). Cancellation just stops the wait."""
-        while self._policy.table(model_id).saving(slot) is not None:
+        ``park_timeout``: the save's own bound), or once ``model_id`` is removed (its
+        save then ends on its own). Cancellation just stops the wait."""
+        while (table := self._policy.served_table(model_id)) is not None and (
+            table.saving(slot) is not None
+        ):
             done = self._saves.get((model_id, slot))
             if done is None:
                 return
@@ -107,6 +110,7 @@ class SlotMaintenance:
         is pinned while it is saved (no job can take it meanwhile) and each save has
         ``park_timeout``; a failed or cut save loses only that session's KV (it
         re-prefills). Works while the scheduler shuts down too (no tasks needed).
+        Parking ends early if the model is removed or its engine restarts meanwhile.
         Cancellation stops between or inside saves; what was saved stays parked.
         """
         lane = self._lanes.get(model_id)
@@ -115,10 +119,14 @@ class SlotMaintenance:
         assert can_park(lane)
         for key in [key for key in self._saves if key[0] == model_id]:
             await self.wait_for_save(*key)  # a background save ends first
-        table = self._policy.table(model_id)
+        table = self._policy.served_table(model_id)
+        if table is None:
+            return 0
         generation = table.generation
         saved = 0
         for entry in list(table.slots):
+            if not self._still_serves(model_id, table, generation):
+                break
             session = entry.session
             if (
                 entry.content is not Content.OWNED
@@ -139,8 +147,10 @@ class SlotMaintenance:
                         log.warning("parking %s slot %d failed: %r", model_id, entry.id, exc)
                         self._policy.note_park(ok=False)
                         continue
-                    table = self._policy.table(model_id)
-                    if table.generation == generation and table.pinned_to(entry.id) is cleanup:
+                    if (
+                        self._still_serves(model_id, table, generation)
+                        and table.pinned_to(entry.id) is cleanup
+                    ):
                         if tokens:
                             table.parked(entry.id, cleanup, session)
                         else:
@@ -149,9 +159,14 @@ class SlotMaintenance:
                         self._policy.note_park(ok=True)
                         saved += 1
             finally:
-                self._policy.table(model_id).unpin(entry.id, cleanup)
+                table.unpin(entry.id, cleanup)
                 self._wake()
         return saved
+
+    def _still_serves(self, model_id: str, table: SlotTable, generation: int | None) -> bool:
+        """Whether ``table`` is still ``model_id``'s (not removed, nor replaced by a
+        reload) and its engine still the ``generation`` it was read at."""
+        return self._policy.served_table(model_id) is table and table.generation == generation
 
     def sessions_in_slots(self) -> list[tuple[str, int, str]]:
         """(model id, slot, session) for every slot whose table says it holds a
@@ -174,10 +189,15 @@ class SlotMaintenance:
         for model_id, slot, owner in self.sessions_in_slots():
             if owner != session:
                 continue
-            lane = self._lanes.get(model_id)
             await self.wait_for_save(model_id, slot)  # its copy is then dropped with the rest
-            table = self._policy.table(model_id)
-            if lane is None or slot >= len(table) or table.owner(slot) != session:
+            lane = self._lanes.get(model_id)
+            table = self._policy.served_table(model_id)
+            if (
+                lane is None
+                or table is None  # removed meanwhile (a reload)
+                or slot >= len(table)
+                or table.owner(slot) != session
+            ):
                 continue
             if (
                 table.pinned_to(slot) is not None
@@ -187,6 +207,7 @@ class SlotMaintenance:
                 busy += 1
                 continue
             cleanup = _Cleanup(model_id, slot)
+            generation = table.generation
             table.pin(slot, cleanup)
             try:
                 table.sending(slot, cleanup)
@@ -197,12 +218,14 @@ class SlotMaintenance:
                         except Exception as exc:
                             log.warning("erase of %s slot %d failed: %r", model_id, slot, exc)
                         else:
-                            table = self._policy.table(model_id)
-                            if table.pinned_to(slot) is cleanup:
+                            if (
+                                self._still_serves(model_id, table, generation)
+                                and table.pinned_to(slot) is cleanup
+                            ):
                                 table.erased(slot, cleanup)
                 erased += 1
             finally:
-                self._policy.table(model_id).unpin(slot, cleanup)
+                table.unpin(slot, cleanup)
                 self._wake()
         return erased, busy
 
