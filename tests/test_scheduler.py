@@ -626,6 +626,28 @@ async def test_reconciliation_holds_out_a_slot_busy_with_work_the_host_did_not_s
     assert a.bleeds == [] and a.deferred == []
 
 
+async def test_a_reconciliation_outlives_its_models_removal(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    """A reload removes a model while the background reconciliation of its new engine
+    waits for a ``/slots`` sample: the reconciliation ends quietly, and the scheduler
+    (whose nursery it runs in) keeps serving the other models. The removed model
+    holds no session's KV any more (a replica's router asks)."""
+    a = FakeLane(pool, "a", parallel=1, measure="hang", sole_client=True)
+    c = FakeLane(pool, "c", parallel=1)
+    async with running({"a": a, "c": c}, residency="coexist", measure_timeout=2.0) as h:
+        s = h.scheduler
+        h.submit(a, session="chat-1", duration=0.1)  # its new engine is reconciled
+        await trio.sleep(0.5)
+        assert a.measure_calls == 1  # the sample hangs until measure_timeout (2 s)
+        assert s.holds("a", "chat-1")
+        s.remove_lane("a")
+        assert not s.holds("a", "chat-1")
+        await trio.sleep(3.0)
+        served = h.submit(c, session="chat-2", duration=1.0)
+    assert served.error is None and served.end is not None
+
+
 async def test_zero_capacity_with_nothing_of_ours_running_polls_slots(
     autojump_clock: trio.testing.MockClock, pool: FakePool
 ) -> None:

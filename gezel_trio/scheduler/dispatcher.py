@@ -208,9 +208,10 @@ class Scheduler:
         return self._policy.is_down(model_id)
 
     def holds(self, model_id: str, session: str) -> bool:
-        """Whether a slot of ``model_id`` holds ``session``'s KV. Raises KeyError for a
-        model the scheduler does not serve."""
-        return self._policy.table(model_id).holds(session)
+        """Whether a slot of ``model_id`` holds ``session``'s KV (False once the model is
+        removed: a request routed to it before then learns so when it queues)."""
+        table = self._policy.served_table(model_id)
+        return table is not None and table.holds(session)
 
     def table(self, model_id: str) -> SlotTable:
         """``model_id``'s slot table, synced to its engine generation (read-only use).

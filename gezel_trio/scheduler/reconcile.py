@@ -145,8 +145,12 @@ class Reconciler:
             table = self._policy.table(model_id)
             generation, tick = table.generation, table.tick
             measured = await self.measure(model_id)
-            table = self._policy.table(model_id)
-            if measured is None or measured.ids is None or table.generation != generation:
+            if (
+                measured is None
+                or measured.ids is None
+                or self._policy.served_table(model_id) is not table  # removed meanwhile
+                or table.generation != generation
+            ):
                 return
             idle = set(measured.ids)
             busy = [entry.id for entry in table.slots if entry.id not in idle]
