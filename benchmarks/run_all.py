@@ -92,6 +92,11 @@ BENCHES = (
     Bench("front_cost", _module("front_cost"), _module("front_cost", "--requests", "100")),
     Bench("python_calls", _module("python_calls"), _module("python_calls", "--requests", "50")),
     Bench(
+        "request_phases",
+        _module("request_phases"),
+        _module("request_phases", "--requests", "30"),
+    ),
+    Bench(
         "transport_cost",
         _module("transport_cost"),
         _module("transport_cost", "--requests", "50", "--rounds", "1"),
