@@ -8,11 +8,12 @@ exit append ``(mark, perf_counter())`` to the record of the request being served
 record starts when the lean front takes a request, with the two marks hypercorn made
 before it (the request's first bytes handed to h11, and the app's task spawned). From
 then on, a trio instrument adds up, for each part of a request (before the engine has
-it, while the engine works, after its answer), the steps and the CPU time of the
-request's own task and of every other task; a step counts in the part it ends in (the
-step that reads the answer's last event and releases the slot counts after it). Recording starts at the first ``SIGUSR1``; ``SIGUSR2``
-writes ``{"requests": [...], "steps": [...]}`` to OUT. For requests sent one after
-another: a mark only goes to the newest record.
+it, while the engine works, after its answer), the steps of the request's own task and
+of every other task, and the wall time they ran (CPU, and any preemption by other
+processes); a step counts in the part it ends in (the step that reads the answer's last
+event and releases the slot counts after it). Recording starts at the first
+``SIGUSR1``; ``SIGUSR2`` writes ``{"requests": [...], "steps": [...]}`` to OUT. For
+requests sent one after another: a mark only goes to the newest record.
 """
 
 from __future__ import annotations

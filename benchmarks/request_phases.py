@@ -1,5 +1,5 @@
 """Where a 1-token request's added latency goes, by wall clock: the phases between the
-host's seams, and whose CPU fills them.
+host's seams, and whose task steps fill them.
 
     python -m benchmarks.request_phases [--requests 300] [--path /v1/chat/completions]
     python -m benchmarks.request_phases --requests 30      # smoke run
@@ -16,8 +16,9 @@ after another over keep-alive connections.
 Prints the client's median latency of each and the difference; the median of each
 phase between consecutive marks (every record has the same marks, or the run fails);
 and, for each part of a request (before the engine has it, while it works, after its
-answer), the task steps and CPU time per request of the request's own task and of
-every other task. The marks add a few microseconds each. Writes
+answer), the task steps per request of the request's own task and of every other task,
+and the time they ran (wall clock: CPU, and any preemption by other processes). The
+marks add a few microseconds each. Writes
 benchmarks/results/request_phases.json.
 """
 
@@ -146,7 +147,7 @@ def main() -> None:
         raise BenchError(f"{len(requests)} records for {args.requests} requests")
     host_ms, direct_ms = (median(latency[k]) * 1000 for k in ("host", "direct"))
     steps = [
-        {"part": part, "tasks": who, "steps": n / len(requests), "cpu_ms": s * 1000 / len(requests)}
+        {"part": part, "tasks": who, "steps": n / len(requests), "ran_ms": s * 1000 / len(requests)}
         for part, who, n, s in traced["steps"]
     ]
     result = {
@@ -164,9 +165,9 @@ def main() -> None:
     print(f"  client: host {host_ms:.3f} ms, direct {direct_ms:.3f}, added {added:.3f}")
     for p in result["phases"]:
         print(f"  {p['from']:>10} -> {p['to']:<10} {p['median_ms']:7.3f} ms  {p['what']}")
-    print("  per request: task steps and CPU ms")
+    print("  per request: task steps and the ms they ran")
     for s in sorted(steps, key=lambda s: (s["part"], s["tasks"])):
-        print(f"    {s['part']:<24}{s['tasks']:<20}{s['steps']:6.2f} {s['cpu_ms']:7.3f}")
+        print(f"    {s['part']:<24}{s['tasks']:<20}{s['steps']:6.2f} {s['ran_ms']:7.3f}")
     print(f"wrote {path}")
 
 
