@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from gezel_bench.errors import BenchError
 from gezel_bench.metrics import percentile
 from gezel_bench.targets import gezel_serve_argv, log_tail
 from gezel_trio.engine.ports import free_port
@@ -31,13 +32,31 @@ RESULTS = Path(os.environ.get("GEZEL_BENCH_RESULTS") or Path(__file__).resolve()
 """Where figures are written: ``benchmarks/results``, or ``$GEZEL_BENCH_RESULTS`` (``run_all
 --quick`` points it elsewhere, so smoke runs never overwrite the recorded figures)."""
 
+ONE_TOKEN_BODIES: dict[str, dict[str, object]] = {
+    "/v1/chat/completions": {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "The quick brown fox"}],
+        "max_tokens": 1,
+        "temperature": 0,
+    },
+    "/v1/completions": {
+        "model": "tiny",
+        "prompt": "The quick brown fox",
+        "max_tokens": 1,
+        "temperature": 0,
+    },
+}
+"""A warm 1-token request to the generated ``tiny`` model, by path: the hot-path probes'."""
+
 __all__ = [
+    "ONE_TOKEN_BODIES",
     "floor_process",
     "free_port",
     "host_process",
     "llama_server_process",
     "median",
     "pct",
+    "post_ok",
     "write_result",
 ]
 
@@ -49,6 +68,13 @@ def pct(values: Sequence[float], p: float) -> float:
 
 def median(values: Sequence[float]) -> float:
     return pct(values, 50)
+
+
+def post_ok(client: httpx.Client, url: str, body: dict[str, object]) -> None:
+    """POST ``body``; a status other than 200 fails the benchmark with the answer's start."""
+    r = client.post(url, json=body)
+    if r.status_code != 200:
+        raise BenchError(f"{url}: HTTP {r.status_code}: {r.text[:300]}")
 
 
 def toml_config(models: list[dict[str, Any]], *, port: int, state_dir: str, extra: str = "") -> str:

@@ -35,22 +35,8 @@ import httpx
 from gezel_bench.errors import BenchError
 from gezel_trio.engine.demo_model import write_demo_model
 
-from ._harness import RESULTS, floor_process, host_process, write_result
+from ._harness import ONE_TOKEN_BODIES, RESULTS, floor_process, host_process, post_ok, write_result
 
-BODIES: dict[str, dict[str, object]] = {
-    "/v1/chat/completions": {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": "The quick brown fox"}],
-        "max_tokens": 1,
-        "temperature": 0,
-    },
-    "/v1/completions": {
-        "model": "tiny",
-        "prompt": "The quick brown fox",
-        "max_tokens": 1,
-        "temperature": 0,
-    },
-}
 WARMUP = 50
 STOP_TIMEOUT_S = 30.0
 
@@ -86,13 +72,13 @@ def _calls_per_request(
     url: str,
     args: argparse.Namespace,
 ) -> float:
-    body = BODIES[args.path]
+    body = ONE_TOKEN_BODIES[args.path]
     for _ in range(WARMUP):
-        _post(client, url, body)
+        post_ok(client, url, body)
     proc.send_signal(signal.SIGUSR1)
     time.sleep(0.5)  # the handler runs at the process's next wakeup
     for _ in range(args.requests):
-        _post(client, url, body)
+        post_ok(client, url, body)
     time.sleep(0.5)  # let the last answer's bookkeeping finish
     proc.send_signal(signal.SIGUSR1)
     deadline = time.monotonic() + STOP_TIMEOUT_S
@@ -105,16 +91,10 @@ def _calls_per_request(
     return calls / requests
 
 
-def _post(client: httpx.Client, url: str, body: dict[str, object]) -> None:
-    r = client.post(url, json=body)
-    if r.status_code != 200:
-        raise BenchError(f"{url}: HTTP {r.status_code}: {r.text[:300]}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--requests", type=int, default=400, help="timed requests per process")
-    ap.add_argument("--path", default="/v1/chat/completions", choices=sorted(BODIES))
+    ap.add_argument("--path", default="/v1/chat/completions", choices=sorted(ONE_TOKEN_BODIES))
     args = ap.parse_args()
     if args.requests < 1:
         ap.error("--requests: at least 1")
@@ -127,7 +107,7 @@ def main() -> None:
             host_process(spec, program=host_program) as (base, host),
             httpx.Client(timeout=60) as client,
         ):
-            _post(client, base + args.path, BODIES[args.path])  # the engine starts
+            post_ok(client, base + args.path, ONE_TOKEN_BODIES[args.path])  # the engine starts
             engine = client.get(base + "/api/status").json()["engines"][0]["url"]
             floor_program = _profiled(floor_out, "benchmarks._floor_proxy")
             with floor_process(engine, streamed=True, program=floor_program) as (floor, proc):

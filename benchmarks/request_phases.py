@@ -39,22 +39,8 @@ import httpx
 from gezel_bench.errors import BenchError
 from gezel_trio.engine.demo_model import write_demo_model
 
-from ._harness import RESULTS, host_process, median, write_result
+from ._harness import ONE_TOKEN_BODIES, RESULTS, host_process, median, post_ok, write_result
 
-BODIES: dict[str, dict[str, object]] = {
-    "/v1/chat/completions": {
-        "model": "tiny",
-        "messages": [{"role": "user", "content": "The quick brown fox"}],
-        "max_tokens": 1,
-        "temperature": 0,
-    },
-    "/v1/completions": {
-        "model": "tiny",
-        "prompt": "The quick brown fox",
-        "max_tokens": 1,
-        "temperature": 0,
-    },
-}
 WARMUP = 50
 DUMP_TIMEOUT_S = 30.0
 
@@ -81,16 +67,16 @@ WHAT: dict[tuple[str, str], str] = {
 def _records(
     proc: Any, out: Path, client: httpx.Client, base: str, engine: str, args: argparse.Namespace
 ) -> tuple[dict[str, list[float]], dict[str, Any]]:
-    body = BODIES[args.path]
+    body = ONE_TOKEN_BODIES[args.path]
     for _ in range(WARMUP):
-        _post(client, base + args.path, body)
+        post_ok(client, base + args.path, body)
     proc.send_signal(signal.SIGUSR1)
     time.sleep(0.5)  # the handler runs at the process's next wakeup
     latency: dict[str, list[float]] = {"host": [], "direct": []}
     for _ in range(args.requests):
         for name, url in (("host", base), ("direct", engine)):
             t0 = time.perf_counter()
-            _post(client, url + args.path, body)
+            post_ok(client, url + args.path, body)
             latency[name].append(time.perf_counter() - t0)
     time.sleep(0.5)  # the last answer's bookkeeping
     proc.send_signal(signal.SIGUSR2)
@@ -100,12 +86,6 @@ def _records(
             raise BenchError(f"no marks from the traced host within {DUMP_TIMEOUT_S} s")
         time.sleep(0.05)
     return latency, json.loads(out.read_text())
-
-
-def _post(client: httpx.Client, url: str, body: dict[str, object]) -> None:
-    r = client.post(url, json=body)
-    if r.status_code != 200:
-        raise BenchError(f"{url}: HTTP {r.status_code}: {r.text[:300]}")
 
 
 def _phases(requests: list[list[list[Any]]]) -> list[dict[str, Any]]:
@@ -126,7 +106,7 @@ def _phases(requests: list[list[list[Any]]]) -> list[dict[str, Any]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--requests", type=int, default=300, help="timed requests to each")
-    ap.add_argument("--path", default="/v1/chat/completions", choices=sorted(BODIES))
+    ap.add_argument("--path", default="/v1/chat/completions", choices=sorted(ONE_TOKEN_BODIES))
     args = ap.parse_args()
     if args.requests < 1:
         ap.error("--requests: at least 1")
@@ -139,7 +119,7 @@ def main() -> None:
             host_process(spec, program=program) as (base, host),
             httpx.Client(timeout=60) as client,
         ):
-            _post(client, base + args.path, BODIES[args.path])  # the engine starts
+            post_ok(client, base + args.path, ONE_TOKEN_BODIES[args.path])  # the engine starts
             engine = client.get(base + "/api/status").json()["engines"][0]["url"]
             latency, traced = _records(host, out, client, base, engine, args)
     requests = traced["requests"]
