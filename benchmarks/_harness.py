@@ -10,6 +10,7 @@ with any config, and where a figure's JSON goes. The harness's launcher,
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -53,10 +54,13 @@ __all__ = [
     "floor_process",
     "free_port",
     "host_process",
+    "hot_path_models",
     "llama_server_process",
     "median",
+    "parse_hot_path_args",
     "pct",
     "post_ok",
+    "read_json_when_written",
     "write_result",
 ]
 
@@ -68,6 +72,39 @@ def pct(values: Sequence[float], p: float) -> float:
 
 def median(values: Sequence[float]) -> float:
     return pct(values, 50)
+
+
+def parse_hot_path_args(doc: str | None, *, requests: int, help: str) -> argparse.Namespace:
+    """The command line of a probe of the 1-token hot path (its description the first
+    paragraph of ``doc``): ``--requests`` (default ``requests``, at least 1) and
+    ``--path`` (a key of :data:`ONE_TOKEN_BODIES`)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0] if doc else None)
+    ap.add_argument("--requests", type=int, default=requests, help=help)
+    ap.add_argument("--path", default="/v1/chat/completions", choices=sorted(ONE_TOKEN_BODIES))
+    args = ap.parse_args()
+    if args.requests < 1:
+        ap.error("--requests: at least 1")
+    return args
+
+
+def hot_path_models() -> list[dict[str, Any]]:
+    """The host's models for a probe of the hot path: the generated ``tiny`` model, 8
+    slots, as in ``proxy_overhead``."""
+    from gezel_trio.engine.demo_model import write_demo_model
+
+    model = write_demo_model(RESULTS / "tmp" / "tiny.gguf", size="tiny")
+    return [{"id": "tiny", "path": str(model), "parallel": 8, "ctx_per_slot": 512}]
+
+
+def read_json_when_written(path: Path, *, within: float, what: str) -> Any:
+    """The JSON another process writes to ``path`` (whole: it renames it into place),
+    once it is there; fails the benchmark after ``within`` seconds without it."""
+    deadline = time.monotonic() + within
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise BenchError(f"no {what} within {within} s")
+        time.sleep(0.05)
+    return json.loads(path.read_text())
 
 
 def post_ok(client: httpx.Client, url: str, body: dict[str, object]) -> None:

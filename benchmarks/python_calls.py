@@ -22,7 +22,6 @@ Prints a table and writes benchmarks/results/python_calls.json.
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import subprocess
 import sys
@@ -32,10 +31,16 @@ from pathlib import Path
 
 import httpx
 
-from gezel_bench.errors import BenchError
-from gezel_trio.engine.demo_model import write_demo_model
-
-from ._harness import ONE_TOKEN_BODIES, RESULTS, floor_process, host_process, post_ok, write_result
+from ._harness import (
+    ONE_TOKEN_BODIES,
+    floor_process,
+    host_process,
+    hot_path_models,
+    parse_hot_path_args,
+    post_ok,
+    read_json_when_written,
+    write_result,
+)
 
 WARMUP = 50
 STOP_TIMEOUT_S = 30.0
@@ -81,25 +86,17 @@ def _calls_per_request(
         post_ok(client, url, body)
     time.sleep(0.5)  # let the last answer's bookkeeping finish
     proc.send_signal(signal.SIGUSR1)
-    deadline = time.monotonic() + STOP_TIMEOUT_S
-    while not out.exists():
-        if time.monotonic() > deadline:
-            raise BenchError(f"no call count from the profiled process within {STOP_TIMEOUT_S} s")
-        time.sleep(0.05)
-    calls: int = json.loads(out.read_text())["calls"]
+    profiled = read_json_when_written(
+        out, within=STOP_TIMEOUT_S, what="call count from the profiled process"
+    )
+    calls: int = profiled["calls"]
     requests: int = args.requests
     return calls / requests
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    ap.add_argument("--requests", type=int, default=400, help="timed requests per process")
-    ap.add_argument("--path", default="/v1/chat/completions", choices=sorted(ONE_TOKEN_BODIES))
-    args = ap.parse_args()
-    if args.requests < 1:
-        ap.error("--requests: at least 1")
-    model = write_demo_model(RESULTS / "tmp" / "tiny.gguf", size="tiny")
-    spec = [{"id": "tiny", "path": str(model), "parallel": 8, "ctx_per_slot": 512}]
+    args = parse_hot_path_args(__doc__, requests=400, help="timed requests per process")
+    spec = hot_path_models()
     with tempfile.TemporaryDirectory(prefix="gezel-calls-") as tmp:
         host_out, floor_out = Path(tmp) / "host.json", Path(tmp) / "floor.json"
         host_program = _profiled(host_out, "gezel_trio.cli")

@@ -25,7 +25,6 @@ benchmarks/results/request_phases.json.
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 import tempfile
@@ -37,9 +36,17 @@ from typing import Any
 import httpx
 
 from gezel_bench.errors import BenchError
-from gezel_trio.engine.demo_model import write_demo_model
 
-from ._harness import ONE_TOKEN_BODIES, RESULTS, host_process, median, post_ok, write_result
+from ._harness import (
+    ONE_TOKEN_BODIES,
+    host_process,
+    hot_path_models,
+    median,
+    parse_hot_path_args,
+    post_ok,
+    read_json_when_written,
+    write_result,
+)
 
 WARMUP = 50
 DUMP_TIMEOUT_S = 30.0
@@ -80,12 +87,8 @@ def _records(
             latency[name].append(time.perf_counter() - t0)
     time.sleep(0.5)  # the last answer's bookkeeping
     proc.send_signal(signal.SIGUSR2)
-    deadline = time.monotonic() + DUMP_TIMEOUT_S
-    while not out.exists():
-        if time.monotonic() > deadline:
-            raise BenchError(f"no marks from the traced host within {DUMP_TIMEOUT_S} s")
-        time.sleep(0.05)
-    return latency, json.loads(out.read_text())
+    traced = read_json_when_written(out, within=DUMP_TIMEOUT_S, what="marks from the traced host")
+    return latency, traced
 
 
 def _phases(requests: list[list[list[Any]]]) -> list[dict[str, Any]]:
@@ -104,14 +107,8 @@ def _phases(requests: list[list[list[Any]]]) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    ap.add_argument("--requests", type=int, default=300, help="timed requests to each")
-    ap.add_argument("--path", default="/v1/chat/completions", choices=sorted(ONE_TOKEN_BODIES))
-    args = ap.parse_args()
-    if args.requests < 1:
-        ap.error("--requests: at least 1")
-    model = write_demo_model(RESULTS / "tmp" / "tiny.gguf", size="tiny")
-    spec = [{"id": "tiny", "path": str(model), "parallel": 8, "ctx_per_slot": 512}]
+    args = parse_hot_path_args(__doc__, requests=300, help="timed requests to each")
+    spec = hot_path_models()
     with tempfile.TemporaryDirectory(prefix="gezel-phases-") as tmp:
         out = Path(tmp) / "marks.json"
         program = [sys.executable, "-m", "benchmarks._phase_tracer", str(out)]
