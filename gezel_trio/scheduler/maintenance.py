@@ -29,7 +29,7 @@ from gezel_trio.kv.prefix import Prefix
 from gezel_trio.scheduler.lanes import EngineLane, can_park
 from gezel_trio.scheduler.policy import SchedulerPolicy
 from gezel_trio.scheduler.settings import SchedulerSettings
-from gezel_trio.scheduler.slots import Content, SlotTable
+from gezel_trio.scheduler.slots import Content
 from gezel_trio.scheduler.trio_job import _TrioJob
 
 __all__ = ["SlotMaintenance"]
@@ -125,7 +125,7 @@ class SlotMaintenance:
         generation = table.generation
         saved = 0
         for entry in list(table.slots):
-            if not self._still_serves(model_id, table, generation):
+            if not self._policy.still_serves(model_id, table, generation):
                 break
             session = entry.session
             if (
@@ -148,7 +148,7 @@ class SlotMaintenance:
                         self._policy.note_park(ok=False)
                         continue
                     if (
-                        self._still_serves(model_id, table, generation)
+                        self._policy.still_serves(model_id, table, generation)
                         and table.pinned_to(entry.id) is cleanup
                     ):
                         if tokens:
@@ -162,11 +162,6 @@ class SlotMaintenance:
                 table.unpin(entry.id, cleanup)
                 self._wake()
         return saved
-
-    def _still_serves(self, model_id: str, table: SlotTable, generation: int | None) -> bool:
-        """Whether ``table`` is still ``model_id``'s (not removed, nor replaced by a
-        reload) and its engine still the ``generation`` it was read at."""
-        return self._policy.served_table(model_id) is table and table.generation == generation
 
     def sessions_in_slots(self) -> list[tuple[str, int, str]]:
         """(model id, slot, session) for every slot whose table says it holds a
@@ -219,7 +214,7 @@ class SlotMaintenance:
                             log.warning("erase of %s slot %d failed: %r", model_id, slot, exc)
                         else:
                             if (
-                                self._still_serves(model_id, table, generation)
+                                self._policy.still_serves(model_id, table, generation)
                                 and table.pinned_to(slot) is cleanup
                             ):
                                 table.erased(slot, cleanup)

@@ -629,6 +629,12 @@ class SchedulerPolicy:
         self.sync_table(model)
         return model.table
 
+    def still_serves(self, model_id: str, table: SlotTable, generation: int | None) -> bool:
+        """Whether ``table`` is still ``model_id``'s (the model neither removed nor replaced
+        by a reload) and its engine still the ``generation`` it was read at: for work
+        that read the table before an await."""
+        return self.served_table(model_id) is table and table.generation == generation
+
     def table_of(self, job: Job) -> SlotTable:
         """The slot table of ``job``'s model (even if the model was removed since)."""
         model = job.model_state

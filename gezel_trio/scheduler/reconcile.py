@@ -148,8 +148,7 @@ class Reconciler:
             if (
                 measured is None
                 or measured.ids is None
-                or self._policy.served_table(model_id) is not table  # removed meanwhile
-                or table.generation != generation
+                or not self._policy.still_serves(model_id, table, generation)
             ):
                 return
             idle = set(measured.ids)
