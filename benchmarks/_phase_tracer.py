@@ -55,6 +55,8 @@ MODULE_SEAMS: tuple[tuple[Any, str, str], ...] = ((lean, "_send_response", "resp
 """(module, async function, mark), as :data:`SEAMS`."""
 
 PARTS = ("before the engine", "while the engine works", "after the answer")
+_NEXT_PART: dict[str, str | None] = {"write<": PARTS[1], "release>": PARTS[2], "front<": None}
+"""The mark that ends each part of a request."""
 
 
 class _Recorder(trio.abc.Instrument):
@@ -66,6 +68,7 @@ class _Recorder(trio.abc.Instrument):
         self.requests: list[list[tuple[str, float]]] = []
         self.current: list[tuple[str, float]] | None = None
         self.owner: trio.lowlevel.Task | None = None
+        self.part: str | None = None  # of the current request; None once it is answered
         self.steps: dict[tuple[str, str], list[float]] = {}
         self.bytes_in = self.app_task = 0.0
         self._step_began = 0.0
@@ -73,6 +76,7 @@ class _Recorder(trio.abc.Instrument):
     def mark(self, name: str) -> None:
         if self.current is not None:
             self.current.append((name, time.perf_counter()))
+            self.part = _NEXT_PART.get(name, self.part)
 
     def begin(self) -> None:
         """A request reached the lean front: a new record, its task the owner."""
@@ -83,23 +87,15 @@ class _Recorder(trio.abc.Instrument):
             self.installed = True
             self._step_began = time.perf_counter()  # (this step began before it)
         self.current = [("bytes in", self.bytes_in), ("app task", self.app_task)]
+        self.part = PARTS[0]
         self.requests.append(self.current)
         self.owner = trio.lowlevel.current_task()
-
-    def _part(self) -> str | None:
-        marks = self.current
-        if not marks or marks[-1][0] == "front<":
-            return None
-        names = {name for name, _ in marks}
-        if "write<" not in names:
-            return PARTS[0]
-        return PARTS[1] if "release>" not in names else PARTS[2]
 
     def before_task_step(self, task: trio.lowlevel.Task) -> None:
         self._step_began = time.perf_counter()
 
     def after_task_step(self, task: trio.lowlevel.Task) -> None:
-        part = self._part()
+        part = self.part
         if part is None:
             return
         who = "the request's task" if task is self.owner else "other tasks"

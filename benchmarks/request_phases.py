@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -72,7 +73,12 @@ WHAT: dict[tuple[str, str], str] = {
 
 
 def _records(
-    proc: Any, out: Path, client: httpx.Client, base: str, engine: str, args: argparse.Namespace
+    proc: subprocess.Popen[bytes],
+    out: Path,
+    client: httpx.Client,
+    base: str,
+    engine: str,
+    args: argparse.Namespace,
 ) -> tuple[dict[str, list[float]], dict[str, Any]]:
     body = ONE_TOKEN_BODIES[args.path]
     for _ in range(WARMUP):
