@@ -28,10 +28,13 @@ from __future__ import annotations
 import json
 import socket
 import sys
+from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
 import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as serve_asgi
 
 HEAD_END = b"\r\n\r\n"
 CHUNKED_END = b"0\r\n\r\n"
@@ -110,15 +113,17 @@ def _as_stream(request: bytes) -> bytes | None:
     )
 
 
-async def _assembled_answer(upstream: trio.socket.SocketType) -> bytes:
-    """Read a chunked stream of completion events to its end; the one answer they make. An
-    answer that is not a stream (an error) is returned as it came."""
+async def _streamed_answer(upstream: trio.socket.SocketType) -> tuple[bytes, bytes]:
+    """Read the answer to a completion asked for as a stream, to its end: (its status line,
+    its body). A chunked stream of events becomes the one answer they make; an answer that
+    is not a stream (an error) keeps its body as it came."""
     head, body = await _head(upstream, b"")
+    status = head.partition(b"\r\n")[0]
     length = _content_length(head)
     if length is not None:
         while len(body) < length:
             body += await _receive(upstream)
-        return head + body
+        return status, body
     while not body.endswith(CHUNKED_END):
         body += await _receive(upstream)
     events = bytearray()
@@ -129,9 +134,14 @@ async def _assembled_answer(upstream: trio.socket.SocketType) -> bytes:
             break
         events += body[:n]
         body = body[n + 2 :]
+    return status, _assembled(bytes(events))
+
+
+def _assembled(events: bytes) -> bytes:
+    """The one whole chat or text completion that a stream's events make."""
     answer: dict[str, Any] = {}
     texts: dict[int, str] = {}
-    for line in bytes(events).split(b"\n"):
+    for line in events.split(b"\n"):
         if not line.startswith(b"data: {"):
             continue
         event = json.loads(line[6:])
@@ -150,13 +160,17 @@ async def _assembled_answer(upstream: trio.socket.SocketType) -> bytes:
         | ({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         for i, text in sorted(texts.items())
     ]
-    out = json.dumps(answer).encode()
-    status = head.partition(b"\r\n")[0]
+    return json.dumps(answer).encode()
+
+
+async def _assembled_answer(upstream: trio.socket.SocketType) -> bytes:
+    """:func:`_streamed_answer` as one HTTP answer (head and body) for the client."""
+    status, body = await _streamed_answer(upstream)
     return b"%s\r\nContent-Type: application/json\r\nContent-Length: %d%s%s" % (
         status,
-        len(out),
+        len(body),
         HEAD_END,
-        out,
+        body,
     )
 
 
@@ -187,6 +201,89 @@ async def _serve_client(
             return
 
 
+def _header(head: bytes, name: bytes) -> bytes | None:
+    at = head.lower().find(b"\r\n" + name + b":")
+    return None if at < 0 else head[at + len(name) + 3 :].split(b"\r\n", 1)[0].strip()
+
+
+async def _dechunked(upstream: trio.socket.SocketType, buffer: bytes) -> AsyncIterator[bytes]:
+    """The data of a chunked body, chunk by chunk as it comes, ``buffer`` read already."""
+    while True:
+        while b"\r\n" not in buffer:
+            buffer += await _receive(upstream)
+        size, _, buffer = buffer.partition(b"\r\n")
+        n = int(size.split(b";")[0], 16)
+        while len(buffer) < n + 2:
+            buffer += await _receive(upstream)
+        if n == 0:
+            return
+        yield buffer[:n]
+        buffer = buffer[n + 2 :]
+
+
+async def _asgi(upstream_port: int, scope: Any, receive: Any, send: Any) -> None:
+    """The ``--hypercorn`` floor: ``--streamed``'s forwarding as an ASGI app."""
+    if scope["type"] == "lifespan":
+        while (await receive())["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    target = scope["raw_path"] + (b"?" + scope["query_string"] if scope["query_string"] else b"")
+    line = b"%s %s HTTP/1.1" % (scope["method"].encode(), target)
+    request = b"%s\r\nHost: engine\r\nContent-Type: application/json\r\nContent-Length: %d%s%s" % (
+        line,
+        len(body),
+        HEAD_END,
+        body,
+    )
+    as_stream = _as_stream(request)
+    with trio.socket.socket() as upstream:
+        upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        await upstream.connect(("127.0.0.1", upstream_port))
+        await _send(upstream, as_stream or request)
+        if as_stream is not None:
+            status, answer = await _streamed_answer(upstream)
+            headers = [(b"content-type", b"application/json")]
+            headers.append((b"content-length", b"%d" % len(answer)))
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": int(status.split()[1]),
+                    "headers": headers,
+                }
+            )
+            await send({"type": "http.response.body", "body": answer, "more_body": False})
+            return
+        head, rest = await _head(upstream, b"")
+        headers = [(b"content-type", _header(head, b"content-type") or b"application/json")]
+        code = int(head.split(b" ", 2)[1])
+        await send({"type": "http.response.start", "status": code, "headers": headers})
+        length = _content_length(head)
+        if length is None:
+            async for data in _dechunked(upstream, rest):
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+        else:
+            while len(rest) < length:
+                rest += await _receive(upstream)
+            await send({"type": "http.response.body", "body": rest, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def serve_hypercorn(port: int, upstream_port: int) -> None:
+    """The ``--hypercorn`` floor: serve :func:`_asgi` with ``hypercorn.trio.serve``, its
+    settings the defaults but for the address and no access log, until cancelled."""
+    config = HypercornConfig()
+    config.bind = [f"127.0.0.1:{port}"]
+    config.accesslog = None
+    await serve_asgi(partial(_asgi, upstream_port), config)
+
+
 async def serve(port: int, upstream_port: int, *, streamed: bool = False) -> None:
     """Serve until cancelled."""
     listener = trio.socket.socket()
@@ -201,7 +298,11 @@ async def serve(port: int, upstream_port: int, *, streamed: bool = False) -> Non
 
 
 async def _main(argv: list[str]) -> None:
-    await serve(int(argv[1]), int(argv[2]), streamed="--streamed" in argv[3:])
+    port, upstream_port = int(argv[1]), int(argv[2])
+    if "--hypercorn" in argv[3:]:
+        await serve_hypercorn(port, upstream_port)
+    else:
+        await serve(port, upstream_port, streamed="--streamed" in argv[3:])
 
 
 if __name__ == "__main__":

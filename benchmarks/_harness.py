@@ -183,18 +183,25 @@ def llama_server_process(*, parallel: int, ctx_size: int) -> Iterator[tuple[int,
         _stop(proc)
 
 
+FLOOR_MODES = ("relayed", "streamed", "hypercorn")
+"""How :mod:`benchmarks._floor_proxy` forwards (see its docstring)."""
+
+
 @contextmanager
 def floor_process(
-    upstream: str, *, streamed: bool = False, program: Sequence[str] = ()
+    upstream: str, *, mode: str = "relayed", program: Sequence[str] = ()
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Run :mod:`benchmarks._floor_proxy` in front of the llama-server at ``upstream``
-    (``http://127.0.0.1:PORT``), with ``--streamed`` if ``streamed``; yields its base URL
-    and process once it answers. Always stops it. ``program``, if given, is the command
-    that runs the module (its arguments are appended), in place of ``python -m``."""
+    (``http://127.0.0.1:PORT``), in ``mode`` (``relayed``, ``streamed`` or ``hypercorn``:
+    the flag of that name, none for ``relayed``); yields its base URL and process once it
+    answers. Always stops it. ``program``, if given, is the command that runs the module
+    (its arguments are appended), in place of ``python -m``."""
+    if mode not in FLOOR_MODES:
+        raise ValueError(f"mode: one of {FLOOR_MODES}, not {mode!r}")
     port = free_port()
     upstream_port = upstream.rsplit(":", 1)[1]
     argv = [*(program or (sys.executable, "-m", "benchmarks._floor_proxy"))]
-    argv += [str(port), upstream_port, *(["--streamed"] if streamed else [])]
+    argv += [str(port), upstream_port, *([] if mode == "relayed" else [f"--{mode}"])]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:

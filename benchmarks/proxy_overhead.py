@@ -5,7 +5,7 @@ Python proxy vs the same llama-server directly.
     python -m benchmarks.proxy_overhead --quick     # smoke run: 40 rounds, 2 streams, 1 cold
 
 One llama-server binary (resolved once, given to the host and the router) and one generated
-``tiny`` model serve five paths:
+``tiny`` model serve six paths:
 
 - ``direct``: the host's own engine, on its own port;
 - ``host``: gezel-trio in front of that same engine;
@@ -15,7 +15,10 @@ One llama-server binary (resolved once, given to the host and the router) and on
   Python proxy on trio does (framing only, one upstream connection per request): what
   Python and trio alone add on this machine, whatever the host does besides;
 - ``floor_streamed``: the same with ``--streamed``: a whole-answer completion is asked of
-  the engine as a stream and assembled, as the host does for walk-away.
+  the engine as a stream and assembled, as the host does for walk-away;
+- ``floor_hypercorn``: the same with ``--hypercorn``: ``floor_streamed``'s forwarding as an
+  ASGI app that ``hypercorn.trio.serve`` serves, the least any app on the host's HTTP
+  server adds.
 
 1. Added latency of a non-streamed 1-token chat completion (``/v1/chat/completions``,
    ``max_tokens`` 1, temperature 0), the headline figure, and of a 1-token text completion
@@ -40,6 +43,7 @@ Prints a table and writes benchmarks/results/proxy_overhead.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from collections import Counter
@@ -61,7 +65,9 @@ from gezel_trio.engine.demo_model import write_demo_model
 
 from ._harness import floor_process, host_process, median, pct, write_result
 
-PATHS = ("direct", "host", "router", "floor", "floor_streamed")
+PATHS = ("direct", "host", "router", "floor", "floor_streamed", "floor_hypercorn")
+FLOORS = {"floor": "relayed", "floor_streamed": "streamed", "floor_hypercorn": "hypercorn"}
+"""Each floor path, and the mode of :mod:`benchmarks._floor_proxy` it runs."""
 PROXIES = PATHS[1:]
 KINDS = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
 MODEL = "tiny"
@@ -221,6 +227,7 @@ async def _throughput(
     out["router_ratio"] = out["router_tok_s"] / out["direct_tok_s"]
     out["floor_ratio"] = out["floor_tok_s"] / out["direct_tok_s"]
     out["floor_streamed_ratio"] = out["floor_streamed_tok_s"] / out["direct_tok_s"]
+    out["floor_hypercorn_ratio"] = out["floor_hypercorn_tok_s"] / out["direct_tok_s"]
     out["rounds"] = rounds
     # the spread of one path's rounds: how far apart two medians can be by noise alone
     out |= {f"{path}_tok_s_range": [min(tps[path]), max(tps[path])] for path in PATHS}
@@ -334,7 +341,8 @@ def _table(result: dict[str, Any]) -> str:
         f"({tp['ratio']:.3f} of direct, target >= {TARGET_RATIO}), "
         f"router {tp['router_tok_s']:.0f} ({tp['router_ratio']:.3f}), "
         f"floor {tp['floor_tok_s']:.0f} ({tp['floor_ratio']:.3f}), "
-        f"floor_streamed {tp['floor_streamed_tok_s']:.0f} ({tp['floor_streamed_ratio']:.3f})"
+        f"floor_streamed {tp['floor_streamed_tok_s']:.0f} ({tp['floor_streamed_ratio']:.3f}), "
+        f"floor_hypercorn {tp['floor_hypercorn_tok_s']:.0f} ({tp['floor_hypercorn_ratio']:.3f})"
     )
     cs = result["cold_start"]
     lines.append(
@@ -380,11 +388,11 @@ def main() -> None:
     )
     with host_process(spec) as (base, _):
         host_engine = _host_engine(base, engine)
-        with (
-            floor_process(host_engine["url"]) as (floor, _),
-            floor_process(host_engine["url"], streamed=True) as (floor_streamed, _),
-        ):
-            floors = {"floor": floor, "floor_streamed": floor_streamed}
+        with contextlib.ExitStack() as stack:
+            floors = {
+                path: stack.enter_context(floor_process(host_engine["url"], mode=mode))[0]
+                for path, mode in FLOORS.items()
+            }
             result = trio.run(_warm_paths, base, floors, host_engine, engine, settings, args)
     colds = []
     for _ in range(args.cold_runs):

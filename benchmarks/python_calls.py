@@ -107,7 +107,7 @@ def main() -> None:
             post_ok(client, base + args.path, ONE_TOKEN_BODIES[args.path])  # the engine starts
             engine = client.get(base + "/api/status").json()["engines"][0]["url"]
             floor_program = _profiled(floor_out, "benchmarks._floor_proxy")
-            with floor_process(engine, streamed=True, program=floor_program) as (floor, proc):
+            with floor_process(engine, mode="streamed", program=floor_program) as (floor, proc):
                 floor_calls = _calls_per_request(proc, floor_out, client, floor + args.path, args)
             host_calls = _calls_per_request(host, host_out, client, base + args.path, args)
     result = {

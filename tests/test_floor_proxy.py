@@ -2,8 +2,9 @@
 (:mod:`benchmarks._floor_proxy`) relays llama-server's answers whole, or its figure would
 be the figure of a proxy that does less than forward: whole chat and text completions and
 a stream on one keep-alive client connection, and an error, against a real llama-server;
-relayed, and with ``--streamed`` (a whole answer asked of the engine as a stream and
-assembled: the same text, finish reason and token count as the engine's own).
+relayed, with ``--streamed`` (a whole answer asked of the engine as a stream and
+assembled: the same text, finish reason and token count as the engine's own), and with
+``--hypercorn`` (the same, as an ASGI app that hypercorn serves).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import httpx
 import pytest
 import trio
 
-from benchmarks._floor_proxy import serve
+from benchmarks._floor_proxy import serve, serve_hypercorn
 from gezel_trio.engine.ports import free_port
 
 from ._engine_bin import open_llama_server
@@ -45,9 +46,9 @@ def _streamed_text(body: bytes) -> tuple[str, bool]:
     return text, stopped
 
 
-@pytest.mark.parametrize("streamed", [False, True], ids=["relayed", "streamed"])
+@pytest.mark.parametrize("mode", ["relayed", "streamed", "hypercorn"])
 async def test_the_floor_proxy_forwards_answers_whole_on_one_client_connection(
-    tiny_model: Path, streamed: bool
+    tiny_model: Path, mode: str
 ) -> None:
     port = free_port()
     connects = 0
@@ -62,7 +63,10 @@ async def test_the_floor_proxy_forwards_answers_whole_on_one_client_connection(
             trio.open_nursery() as nursery,
         ):
             upstream = int(engine.base_url.rsplit(":", 1)[1])
-            nursery.start_soon(partial(serve, port, upstream, streamed=streamed))
+            if mode == "hypercorn":
+                nursery.start_soon(serve_hypercorn, port, upstream)
+            else:
+                nursery.start_soon(partial(serve, port, upstream, streamed=mode == "streamed"))
             async with httpx.AsyncClient(timeout=60) as client:
                 direct = [
                     await client.post(engine.base_url + path, json=body)
@@ -92,7 +96,8 @@ async def test_the_floor_proxy_forwards_answers_whole_on_one_client_connection(
     for answer in (chat, text, *again):
         assert answer.status_code == 200, answer.text
         # an assembled answer has the proxy's own head; a relayed one, the engine's
-        assert ("server" in answer.headers) is not streamed
+        server = {"relayed": "llama.cpp", "streamed": None, "hypercorn": "hypercorn-h11"}
+        assert answer.headers.get("server") == server[mode]
     for got, want in zip((chat, text, *again), direct[:2] * 2, strict=True):
         assert _whole(got.json()) == _whole(want.json()) and _whole(want.json())[0]
     assert stream.headers["transfer-encoding"] == "chunked"
