@@ -1,13 +1,13 @@
 """The floor: the least a Python proxy on trio does, to put the host's added latency beside
 what any Python proxy adds on the same machine.
 
-    python -m benchmarks._floor_proxy PORT UPSTREAM_PORT [--streamed]
+    python -m benchmarks._floor_proxy PORT UPSTREAM_PORT [--streamed | --hypercorn | --front]
 
 Listens on 127.0.0.1:PORT and forwards every request to the llama-server on
 127.0.0.1:UPSTREAM_PORT, as the host and llama-server's router do: one new upstream
 connection per request, the client's kept alive. It parses only what framing needs (the
 request's ``Content-Length``, the answer's ``Content-Length`` or chunked end) on bare trio
-sockets. Two ways:
+sockets, or behind an HTTP server. Four ways:
 
 - relayed (the default): the answer's head and body are copied through unchanged (a
   ``Connection: close`` too: the client then reconnects, as llama-server's own clients do
@@ -17,10 +17,17 @@ sockets. Two ways:
   events are assembled into one answer, as the host does so that a client who leaves
   stops the engine at once (``benchmarks.engine_disconnect`` says why). Every other
   request is relayed.
+- ``--hypercorn``: ``--streamed``'s forwarding as an ASGI app, which
+  ``hypercorn.trio.serve`` serves with hypercorn's default settings: what an app adds
+  when hypercorn parses its requests and writes its answers (a relayed stream is
+  re-chunked by hypercorn);
+- ``--front``: the same app served as the host serves its own: by
+  :func:`gezel_trio.front_guard.serve_front`, with the hypercorn settings and write
+  deadline a default configuration gives (:func:`gezel_trio.server.hypercorn_config`).
 
 No routing, scheduling, validation, model names, logs, metrics, deadlines or error
-handling: it is not a product, only a measure. ``proxy_overhead`` runs both, as its
-``floor`` and ``floor_streamed`` paths.
+handling: it is not a product, only a measure. ``proxy_overhead`` runs each, as its
+``floor``, ``floor_streamed``, ``floor_hypercorn`` and ``floor_front`` paths.
 """
 
 from __future__ import annotations
@@ -35,6 +42,10 @@ from typing import Any
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve as serve_asgi
+
+from gezel_trio.config.schema import config_from_mapping
+from gezel_trio.front_guard import FrontGuard, serve_front
+from gezel_trio.server import drain_timeout, hypercorn_config
 
 HEAD_END = b"\r\n\r\n"
 CHUNKED_END = b"0\r\n\r\n"
@@ -222,7 +233,8 @@ async def _dechunked(upstream: trio.socket.SocketType, buffer: bytes) -> AsyncIt
 
 
 async def _asgi(upstream_port: int, scope: Any, receive: Any, send: Any) -> None:
-    """The ``--hypercorn`` floor: ``--streamed``'s forwarding as an ASGI app."""
+    """The ``--hypercorn`` and ``--front`` floors: ``--streamed``'s forwarding as an ASGI
+    app."""
     if scope["type"] == "lifespan":
         while (await receive())["type"] == "lifespan.startup":
             await send({"type": "lifespan.startup.complete"})
@@ -275,13 +287,23 @@ async def _asgi(upstream_port: int, scope: Any, receive: Any, send: Any) -> None
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-async def serve_hypercorn(port: int, upstream_port: int) -> None:
-    """The ``--hypercorn`` floor: serve :func:`_asgi` with ``hypercorn.trio.serve``, its
-    settings the defaults but for the address and no access log, until cancelled."""
-    config = HypercornConfig()
-    config.bind = [f"127.0.0.1:{port}"]
-    config.accesslog = None
-    await serve_asgi(partial(_asgi, upstream_port), config)
+async def serve_hypercorn(port: int, upstream_port: int, *, front: bool = False) -> None:
+    """Serve :func:`_asgi` until cancelled: with ``hypercorn.trio.serve`` and hypercorn's
+    defaults (``--hypercorn``), or with ``front`` as the host serves its app, with
+    :func:`gezel_trio.front_guard.serve_front` and the settings a default configuration
+    gives it (``--front``)."""
+    app = partial(_asgi, upstream_port)
+    if not front:
+        config = HypercornConfig()
+        config.bind = [f"127.0.0.1:{port}"]
+        config.accesslog = None
+        await serve_asgi(app, config)
+        return
+    host = config_from_mapping({"server": {"host": "127.0.0.1", "port": port}})
+    guard = FrontGuard(
+        write_timeout=host.server.stream_stall_timeout, drain_timeout=drain_timeout(host)
+    )
+    await serve_front(app, hypercorn_config(host), guard)
 
 
 async def serve(port: int, upstream_port: int, *, streamed: bool = False) -> None:
@@ -299,8 +321,8 @@ async def serve(port: int, upstream_port: int, *, streamed: bool = False) -> Non
 
 async def _main(argv: list[str]) -> None:
     port, upstream_port = int(argv[1]), int(argv[2])
-    if "--hypercorn" in argv[3:]:
-        await serve_hypercorn(port, upstream_port)
+    if "--hypercorn" in argv[3:] or "--front" in argv[3:]:
+        await serve_hypercorn(port, upstream_port, front="--front" in argv[3:])
     else:
         await serve(port, upstream_port, streamed="--streamed" in argv[3:])
 

@@ -183,7 +183,7 @@ def llama_server_process(*, parallel: int, ctx_size: int) -> Iterator[tuple[int,
         _stop(proc)
 
 
-FLOOR_MODES = ("relayed", "streamed", "hypercorn")
+FLOOR_MODES = ("relayed", "streamed", "hypercorn", "front")
 """How :mod:`benchmarks._floor_proxy` forwards (see its docstring)."""
 
 
@@ -192,8 +192,8 @@ def floor_process(
     upstream: str, *, mode: str = "relayed", program: Sequence[str] = ()
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Run :mod:`benchmarks._floor_proxy` in front of the llama-server at ``upstream``
-    (``http://127.0.0.1:PORT``), in ``mode`` (``relayed``, ``streamed`` or ``hypercorn``:
-    the flag of that name, none for ``relayed``); yields its base URL and process once it
+    (``http://127.0.0.1:PORT``), in one of :data:`FLOOR_MODES` (the flag of that name, none
+    for ``relayed``); yields its base URL and process once it
     answers. Always stops it. ``program``, if given, is the command that runs the module
     (its arguments are appended), in place of ``python -m``."""
     if mode not in FLOOR_MODES:

@@ -5,7 +5,7 @@ Python proxy vs the same llama-server directly.
     python -m benchmarks.proxy_overhead --quick     # smoke run: 40 rounds, 2 streams, 1 cold
 
 One llama-server binary (resolved once, given to the host and the router) and one generated
-``tiny`` model serve six paths:
+``tiny`` model serve seven paths:
 
 - ``direct``: the host's own engine, on its own port;
 - ``host``: gezel-trio in front of that same engine;
@@ -17,8 +17,10 @@ One llama-server binary (resolved once, given to the host and the router) and on
 - ``floor_streamed``: the same with ``--streamed``: a whole-answer completion is asked of
   the engine as a stream and assembled, as the host does for walk-away;
 - ``floor_hypercorn``: the same with ``--hypercorn``: ``floor_streamed``'s forwarding as an
-  ASGI app that ``hypercorn.trio.serve`` serves, the least any app on the host's HTTP
-  server adds.
+  ASGI app that ``hypercorn.trio.serve`` serves: the least any app on hypercorn adds;
+- ``floor_front``: the same app served as the host serves its own (``--front``:
+  ``serve_front``, hypercorn with the host's settings and write deadline): the least any
+  app adds behind the host's front end.
 
 1. Added latency of a non-streamed 1-token chat completion (``/v1/chat/completions``,
    ``max_tokens`` 1, temperature 0), the headline figure, and of a 1-token text completion
@@ -65,9 +67,14 @@ from gezel_trio.engine.demo_model import write_demo_model
 
 from ._harness import floor_process, host_process, median, pct, write_result
 
-PATHS = ("direct", "host", "router", "floor", "floor_streamed", "floor_hypercorn")
-FLOORS = {"floor": "relayed", "floor_streamed": "streamed", "floor_hypercorn": "hypercorn"}
+FLOORS = {
+    "floor": "relayed",
+    "floor_streamed": "streamed",
+    "floor_hypercorn": "hypercorn",
+    "floor_front": "front",
+}
 """Each floor path, and the mode of :mod:`benchmarks._floor_proxy` it runs."""
+PATHS = ("direct", "host", "router", *FLOORS)
 PROXIES = PATHS[1:]
 KINDS = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
 MODEL = "tiny"
@@ -224,10 +231,7 @@ async def _throughput(
     out: dict[str, Any] = {"streams": streams, "tokens_per_stream": tokens}
     out |= {f"{path}_tok_s": median(tps[path]) for path in PATHS}
     out["ratio"] = out["host_tok_s"] / out["direct_tok_s"]
-    out["router_ratio"] = out["router_tok_s"] / out["direct_tok_s"]
-    out["floor_ratio"] = out["floor_tok_s"] / out["direct_tok_s"]
-    out["floor_streamed_ratio"] = out["floor_streamed_tok_s"] / out["direct_tok_s"]
-    out["floor_hypercorn_ratio"] = out["floor_hypercorn_tok_s"] / out["direct_tok_s"]
+    out |= {f"{path}_ratio": out[f"{path}_tok_s"] / out["direct_tok_s"] for path in PROXIES[1:]}
     out["rounds"] = rounds
     # the spread of one path's rounds: how far apart two medians can be by noise alone
     out |= {f"{path}_tok_s_range": [min(tps[path]), max(tps[path])] for path in PATHS}
@@ -339,10 +343,9 @@ def _table(result: dict[str, Any]) -> str:
         f"direct {tp['direct_tok_s']:.0f} tok/s (rounds {lo:.0f}-{hi:.0f}), "
         f"host {tp['host_tok_s']:.0f} "
         f"({tp['ratio']:.3f} of direct, target >= {TARGET_RATIO}), "
-        f"router {tp['router_tok_s']:.0f} ({tp['router_ratio']:.3f}), "
-        f"floor {tp['floor_tok_s']:.0f} ({tp['floor_ratio']:.3f}), "
-        f"floor_streamed {tp['floor_streamed_tok_s']:.0f} ({tp['floor_streamed_ratio']:.3f}), "
-        f"floor_hypercorn {tp['floor_hypercorn_tok_s']:.0f} ({tp['floor_hypercorn_ratio']:.3f})"
+        + ", ".join(
+            f"{path} {tp[path + '_tok_s']:.0f} ({tp[path + '_ratio']:.3f})" for path in PROXIES[1:]
+        )
     )
     cs = result["cold_start"]
     lines.append(

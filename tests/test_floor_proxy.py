@@ -4,7 +4,8 @@ be the figure of a proxy that does less than forward: whole chat and text comple
 a stream on one keep-alive client connection, and an error, against a real llama-server;
 relayed, with ``--streamed`` (a whole answer asked of the engine as a stream and
 assembled: the same text, finish reason and token count as the engine's own), and with
-``--hypercorn`` (the same, as an ASGI app that hypercorn serves).
+``--hypercorn`` and ``--front`` (the same, as an ASGI app that hypercorn serves, stock or
+as the host serves its own).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def _streamed_text(body: bytes) -> tuple[str, bool]:
     return text, stopped
 
 
-@pytest.mark.parametrize("mode", ["relayed", "streamed", "hypercorn"])
+@pytest.mark.parametrize("mode", ["relayed", "streamed", "hypercorn", "front"])
 async def test_the_floor_proxy_forwards_answers_whole_on_one_client_connection(
     tiny_model: Path, mode: str
 ) -> None:
@@ -63,8 +64,8 @@ async def test_the_floor_proxy_forwards_answers_whole_on_one_client_connection(
             trio.open_nursery() as nursery,
         ):
             upstream = int(engine.base_url.rsplit(":", 1)[1])
-            if mode == "hypercorn":
-                nursery.start_soon(serve_hypercorn, port, upstream)
+            if mode in ("hypercorn", "front"):
+                nursery.start_soon(partial(serve_hypercorn, port, upstream, front=mode == "front"))
             else:
                 nursery.start_soon(partial(serve, port, upstream, streamed=mode == "streamed"))
             async with httpx.AsyncClient(timeout=60) as client:
@@ -96,8 +97,8 @@ async def test_the_floor_proxy_forwards_answers_whole_on_one_client_connection(
     for answer in (chat, text, *again):
         assert answer.status_code == 200, answer.text
         # an assembled answer has the proxy's own head; a relayed one, the engine's
-        server = {"relayed": "llama.cpp", "streamed": None, "hypercorn": "hypercorn-h11"}
-        assert answer.headers.get("server") == server[mode]
+        server = {"relayed": "llama.cpp", "streamed": None}.get(mode, "hypercorn-h11")
+        assert answer.headers.get("server") == server
     for got, want in zip((chat, text, *again), direct[:2] * 2, strict=True):
         assert _whole(got.json()) == _whole(want.json()) and _whole(want.json())[0]
     assert stream.headers["transfer-encoding"] == "chunked"
