@@ -97,6 +97,11 @@ BENCHES = (
         _module("request_phases", "--requests", "30"),
     ),
     Bench(
+        "request_gaps",
+        _module("request_gaps"),
+        _module("request_gaps", "--requests", "20", "--gaps", "0,5"),
+    ),
+    Bench(
         "transport_cost",
         _module("transport_cost"),
         _module("transport_cost", "--requests", "50", "--rounds", "1"),
