@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -104,101 +105,123 @@ async def test_a_replica_set_keeps_sessions_spreads_load_and_survives_a_lost_rep
             engine={"health_interval": 0.5, "health_failures": 2},
         )
         with trio.fail_after(120):
-            async with running(cfg) as (host, client):
-                ids = [m["id"] for m in (await client.get("/v1/models")).json()["data"]]
-                assert ids == ["tiny"]  # one model to clients
-                members = [rt.id for rt in host.replica_members("tiny")]
-                assert members == ["tiny@0", "tiny@1", "tiny@2"]
+            # the revived engine outlives the host, as an external engine does (stopped
+            # while the host still used it, llama-server at times ignored SIGTERM for 5 s)
+            async with trio.open_nursery() as engines:
+                async with running(cfg) as (host, client):
+                    ids = [m["id"] for m in (await client.get("/v1/models")).json()["data"]]
+                    assert ids == ["tiny"]  # one model to clients
+                    members = [rt.id for rt in host.replica_members("tiny")]
+                    assert members == ["tiny@0", "tiny@1", "tiny@2"]
 
-                async def turn(session: str, extra: list[int]) -> tuple[int, str]:
-                    r = await client.post(
-                        "/completion", json=_body(prompts[session] + extra, session)
+                    async def turn(session: str, extra: list[int]) -> tuple[int, str]:
+                        r = await client.post(
+                            "/completion", json=_body(prompts[session] + extra, session)
+                        )
+                        assert r.status_code == 200, r.text
+                        return int(r.json()["timings"]["cache_n"]), r.json().get("model", "")
+
+                    def member_of(name: str) -> str:
+                        session = host.sessions.session(host.sessions.caller(None), name)
+                        member = host.routers["tiny"].member_of(session)
+                        assert member is not None
+                        return member
+
+                    where: dict[str, str] = {}
+                    for session in "ABCDEF":
+                        assert (await turn(session, []))[0] == 0
+                        where[session] = member_of(session)
+                    assert len(set(where.values())) >= 2  # sessions spread over the replicas
+                    for session in "ABCDEF":  # and stick: their second turn reuses their KV
+                        cached, _ = await turn(session, [401, 402])
+                        assert cached >= len(prompts[session]) - 1, session
+                        assert member_of(session) == where[session]
+
+                    routed_before = dict(host.routers["tiny"].routed)
+
+                    async def keyless(i: int) -> None:
+                        r = await client.post("/completion", json=_body([5 + i, 6, 7, 8, 9], None))
+                        assert r.status_code == 200, r.text
+
+                    async with trio.open_nursery() as nursery:
+                        for i in range(6):
+                            nursery.start_soon(keyless, i)
+                    routed = {
+                        m: host.routers["tiny"].routed.get(m, 0) - routed_before.get(m, 0)
+                        for m in members
+                    }
+                    assert sum(routed.values()) == 6 and sum(1 for n in routed.values() if n) >= 2
+
+                    # a replica dies: its sessions move, and nobody gets another's KV
+                    lost = "tiny@1"
+                    lost_rt = host.models[lost]
+                    assert one.process is not None
+                    os.kill(one.process.pid, signal.SIGKILL)
+                    with trio.fail_after(20):
+                        await lost_rt.engine.state.wait_value(EngineState.FAILED)
+                    moved_before = host.routers["tiny"].moved
+                    for session in "ABCDEF":
+                        cached, _ = await turn(session, [401, 402, 403])
+                        if where[session] == lost:  # re-prefilled elsewhere
+                            assert cached == 0
+                            assert member_of(session) != lost
+                        else:
+                            assert cached >= len(prompts[session]) - 1
+                    assert host.routers["tiny"].moved - moved_before == sum(
+                        1 for s in where.values() if s == lost
                     )
-                    assert r.status_code == 200, r.text
-                    return int(r.json()["timings"]["cache_n"]), r.json().get("model", "")
-
-                def member_of(name: str) -> str:
-                    session = host.sessions.session(host.sessions.caller(None), name)
-                    member = host.routers["tiny"].member_of(session)
-                    assert member is not None
-                    return member
-
-                where: dict[str, str] = {}
-                for session in "ABCDEF":
-                    assert (await turn(session, []))[0] == 0
-                    where[session] = member_of(session)
-                assert len(set(where.values())) >= 2  # sessions spread over the replicas
-                for session in "ABCDEF":  # and stick: their second turn reuses their KV
-                    cached, _ = await turn(session, [401, 402])
-                    assert cached >= len(prompts[session]) - 1, session
-                    assert member_of(session) == where[session]
-
-                routed_before = dict(host.routers["tiny"].routed)
-
-                async def keyless(i: int) -> None:
-                    r = await client.post("/completion", json=_body([5 + i, 6, 7, 8, 9], None))
-                    assert r.status_code == 200, r.text
-
-                async with trio.open_nursery() as nursery:
-                    for i in range(6):
-                        nursery.start_soon(keyless, i)
-                routed = {
-                    m: host.routers["tiny"].routed.get(m, 0) - routed_before.get(m, 0)
-                    for m in members
-                }
-                assert sum(routed.values()) == 6 and sum(1 for n in routed.values() if n) >= 2
-
-                # a replica dies: its sessions move, and nobody gets another's KV
-                lost = "tiny@1"
-                lost_rt = host.models[lost]
-                assert one.process is not None
-                os.kill(one.process.pid, signal.SIGKILL)
-                with trio.fail_after(20):
-                    await lost_rt.engine.state.wait_value(EngineState.FAILED)
-                moved_before = host.routers["tiny"].moved
-                for session in "ABCDEF":
-                    cached, _ = await turn(session, [401, 402, 403])
-                    if where[session] == lost:  # re-prefilled elsewhere
-                        assert cached == 0
-                        assert member_of(session) != lost
-                    else:
-                        assert cached >= len(prompts[session]) - 1
-                assert host.routers["tiny"].moved - moved_before == sum(
-                    1 for s in where.values() if s == lost
-                )
-                # a new session with another's very prompt shares nothing, on any replica
-                for session in "AB":
-                    r = await client.post(
-                        "/completion", json=_body(prompts[session], f"new-{session}")
-                    )
-                    assert r.status_code == 200 and r.json()["timings"]["cache_n"] == 0
-                # it comes back on its port: the host probes it and routes to it again
-                port = int(one.base_url.rsplit(":", 1)[1])
-                binary_env = llama_server_command()[1]
-                log_path = state_dir.parent / "revived.log"
-                async with run_llama_server(one.argv, binary_env, log_path, port=port):
+                    # a new session with another's very prompt shares nothing, on any replica
+                    for session in "AB":
+                        r = await client.post(
+                            "/completion", json=_body(prompts[session], f"new-{session}")
+                        )
+                        assert r.status_code == 200 and r.json()["timings"]["cache_n"] == 0
+                    # it comes back on its port: the host probes it and routes to it again
+                    port = int(one.base_url.rsplit(":", 1)[1])
+                    binary_env = llama_server_command()[1]
+                    log_path = state_dir.parent / "revived.log"
+                    await engines.start(_serve_llama_server, one.argv, binary_env, log_path, port)
                     with trio.fail_after(30):
                         await lost_rt.engine.state.wait_value(EngineState.READY)
-                    assert host.scheduler is not None
-                    assert not host.scheduler.policy.is_down(lost)
+                    scheduler = host.scheduler
+                    assert scheduler is not None
+                    # the probe marks it up once its /slots answered too, after READY
+                    await wait_until(lambda: not scheduler.is_down(lost), within=30, what="up")
                     before = host.routers["tiny"].routed.get(lost, 0)
                     async with trio.open_nursery() as nursery:
                         for i in range(6):
                             nursery.start_soon(keyless, i)
                     assert host.routers["tiny"].routed.get(lost, 0) > before
-                status = (await client.get("/api/status")).json()
-                assert status["replicas"]["tiny"]["members"] == members
-                metrics = (await client.get("/metrics")).text
-                for member in members:  # per replica
-                    assert f'gezel_replica_routed_total{{member="{member}",model="tiny"}}' in (
-                        metrics
+                    status = (await client.get("/api/status")).json()
+                    assert status["replicas"]["tiny"]["members"] == members
+                    metrics = (await client.get("/metrics")).text
+                    for member in members:  # per replica
+                        assert f'gezel_replica_routed_total{{member="{member}",model="tiny"}}' in (
+                            metrics
+                        )
+                    moved = host.routers["tiny"].moved
+                    assert (
+                        f'gezel_replica_sessions_moved_total{{model="tiny"}} {moved:.1f}' in metrics
                     )
-                moved = host.routers["tiny"].moved
-                assert f'gezel_replica_sessions_moved_total{{model="tiny"}} {moved:.1f}' in metrics
-                assert 'gezel_replica_jobs_moved_total{why="failovers"}' in metrics
-                assert {e["model"]: e["replica_of"] for e in status["engines"]} == dict.fromkeys(
-                    members, "tiny"
-                )
+                    assert 'gezel_replica_jobs_moved_total{why="failovers"}' in metrics
+                    assert {
+                        e["model"]: e["replica_of"] for e in status["engines"]
+                    } == dict.fromkeys(members, "tiny")
+                engines.cancel_scope.cancel()
+
+
+async def _serve_llama_server(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    log_path: Path,
+    port: int,
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run a llama-server until cancelled; started once it answers ``/health``."""
+    async with run_llama_server(argv, env, log_path, port=port):
+        task_status.started()
+        await trio.sleep_forever()
 
 
 @pytest.mark.parametrize("fault", ["kill", "hang"])
