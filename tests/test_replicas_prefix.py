@@ -272,8 +272,8 @@ async def test_keyless_conversations_keep_their_replica_and_an_overloaded_one_sh
             assert members == {"tiny@0", "tiny@1"}  # and they were spread over both
 
             # Overload: conversation 0's member runs one long answer of another owner
-            # (on the slot of the other conversation it holds), so its load (2: the
-            # job and its engine request) exceeds the idle member's by more than 1.
+            # (on the slot of the other conversation it holds), so its load (the job
+            # and its engine holds) exceeds the idle member's by more than 1.
             busy = served[0][1]
             other = "tiny@1" if busy == "tiny@0" else "tiny@0"
             member, cached, total = await turn(0, 4)  # conversation 0: most recent there
@@ -293,12 +293,22 @@ async def test_keyless_conversations_keep_their_replica_and_an_overloaded_one_sh
                 }
                 await client.post("/completion", json=body)
 
+            def load(member: str) -> int:
+                """The member's load as the router sees it (``Host._member_views``)."""
+                stats = scheduler.statistics()
+                queued = stats.running.get(member, 0) + stats.waiting.get(member, 0)
+                return host.models[member].engine.busy + queued
+
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(long_answer)
                 await wait_until(
                     lambda: scheduler.statistics().running.get(busy, 0) == 1,
                     within=30,
                     what="the long answer running",
+                )
+                # and no background save or erase on the other member evens the loads
+                await wait_until(
+                    lambda: load(busy) - load(other) > 1, within=30, what="an overload"
                 )
                 routed_before = dict(router.routed)
                 member, _, _ = await turn(0, 5)
