@@ -77,9 +77,21 @@ async def _head(sock: trio.socket.SocketType, buffer: bytes) -> tuple[bytes, byt
     return head + HEAD_END, rest
 
 
+def _header(head: bytes, name: bytes) -> bytes | None:
+    """The value of header ``name`` (lower case) in ``head``, or None."""
+    at = head.lower().find(b"\r\n" + name + b":")
+    return None if at < 0 else head[at + len(name) + 3 :].split(b"\r\n", 1)[0].strip()
+
+
 def _content_length(head: bytes) -> int | None:
-    at = head.lower().find(b"\r\ncontent-length:")
-    return None if at < 0 else int(head[at + 17 :].split(b"\r\n", 1)[0])
+    value = _header(head, b"content-length")
+    return None if value is None else int(value)
+
+
+def _request(line: bytes, body: bytes) -> bytes:
+    """A JSON request to the engine: its request line, head and ``body``."""
+    head = b"%s\r\nHost: engine\r\nContent-Type: application/json\r\nContent-Length: %d"
+    return head % (line, len(body)) + HEAD_END + body
 
 
 async def _relay_answer(upstream: trio.socket.SocketType, client: trio.socket.SocketType) -> None:
@@ -115,13 +127,7 @@ def _as_stream(request: bytes) -> bytes | None:
     if not isinstance(fields, dict) or fields.get("stream"):
         return None
     fields |= {"stream": True, "stream_options": {"include_usage": True}}
-    body = json.dumps(fields).encode()
-    return b"%s\r\nHost: engine\r\nContent-Type: application/json\r\nContent-Length: %d%s%s" % (
-        line,
-        len(body),
-        HEAD_END,
-        body,
-    )
+    return _request(line, json.dumps(fields).encode())
 
 
 async def _streamed_answer(upstream: trio.socket.SocketType) -> tuple[bytes, bytes]:
@@ -212,11 +218,6 @@ async def _serve_client(
             return
 
 
-def _header(head: bytes, name: bytes) -> bytes | None:
-    at = head.lower().find(b"\r\n" + name + b":")
-    return None if at < 0 else head[at + len(name) + 3 :].split(b"\r\n", 1)[0].strip()
-
-
 async def _dechunked(upstream: trio.socket.SocketType, buffer: bytes) -> AsyncIterator[bytes]:
     """The data of a chunked body, chunk by chunk as it comes, ``buffer`` read already."""
     while True:
@@ -247,13 +248,7 @@ async def _asgi(upstream_port: int, scope: Any, receive: Any, send: Any) -> None
         if not message.get("more_body"):
             break
     target = scope["raw_path"] + (b"?" + scope["query_string"] if scope["query_string"] else b"")
-    line = b"%s %s HTTP/1.1" % (scope["method"].encode(), target)
-    request = b"%s\r\nHost: engine\r\nContent-Type: application/json\r\nContent-Length: %d%s%s" % (
-        line,
-        len(body),
-        HEAD_END,
-        body,
-    )
+    request = _request(b"%s %s HTTP/1.1" % (scope["method"].encode(), target), body)
     as_stream = _as_stream(request)
     with trio.socket.socket() as upstream:
         upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

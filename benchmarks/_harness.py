@@ -61,6 +61,7 @@ __all__ = [
     "pct",
     "post_ok",
     "read_json_when_written",
+    "rotated",
     "write_result",
 ]
 
@@ -72,6 +73,13 @@ def pct(values: Sequence[float], p: float) -> float:
 
 def median(values: Sequence[float]) -> float:
     return pct(values, 50)
+
+
+def rotated(items: Sequence[str], i: int) -> list[str]:
+    """``items`` rotated by ``i``: the order of a benchmark's paths in its round ``i``, so
+    that drift over a run falls on each path alike."""
+    k = i % len(items)
+    return [*items[k:], *items[:k]]
 
 
 def parse_hot_path_args(doc: str | None, *, requests: int, help: str) -> argparse.Namespace:
@@ -193,9 +201,9 @@ def floor_process(
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Run :mod:`benchmarks._floor_proxy` in front of the llama-server at ``upstream``
     (``http://127.0.0.1:PORT``), in one of :data:`FLOOR_MODES` (the flag of that name, none
-    for ``relayed``); yields its base URL and process once it
-    answers. Always stops it. ``program``, if given, is the command that runs the module
-    (its arguments are appended), in place of ``python -m``."""
+    for ``relayed``); yields its base URL and process once it answers. Always stops it.
+    ``program``, if given, is the command that runs the module (its arguments are
+    appended), in place of ``python -m``."""
     if mode not in FLOOR_MODES:
         raise ValueError(f"mode: one of {FLOOR_MODES}, not {mode!r}")
     port = free_port()

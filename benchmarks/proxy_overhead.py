@@ -49,7 +49,6 @@ import contextlib
 import json
 import time
 from collections import Counter
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +64,7 @@ from gezel_bench.targets import (
 )
 from gezel_trio.engine.demo_model import write_demo_model
 
-from ._harness import floor_process, host_process, median, pct, write_result
+from ._harness import floor_process, host_process, median, pct, rotated, write_result
 
 FLOORS = {
     "floor": "relayed",
@@ -109,11 +108,6 @@ def _completion(n: int, *, stream: bool = False) -> dict[str, object]:
 
 def _body(kind: str) -> dict[str, object]:
     return _chat() if kind == "chat" else _completion(1)
-
-
-def _rotated(paths: Sequence[str], i: int) -> list[str]:
-    k = i % len(paths)
-    return [*paths[k:], *paths[:k]]
 
 
 class _Poster:
@@ -176,13 +170,13 @@ async def _latency(bases: dict[str, str], rounds: int) -> dict[str, Any]:
         poster = _Poster(client)
         for i in range(WARMUP_ROUNDS):  # warm every path (the router loads its child here)
             for kind, route in KINDS.items():
-                for path in _rotated(PATHS, i):
+                for path in rotated(PATHS, i):
                     await poster.timed(bases[path] + route, _body(kind))
         poster.connections.clear()
         upstream_before = await _upstream_connections(bases["host"], client)
         for i in range(rounds):
             for kind, route in KINDS.items():
-                for path in _rotated(PATHS, i):
+                for path in rotated(PATHS, i):
                     ms = await poster.timed(bases[path] + route, _body(kind))
                     samples[kind][path].append(ms)
         upstream_after = await _upstream_connections(bases["host"], client)
@@ -226,7 +220,7 @@ async def _throughput(
 ) -> dict[str, Any]:
     tps: dict[str, list[float]] = {path: [] for path in PATHS}
     for i in range(rounds):
-        for path in _rotated(PATHS, i):
+        for path in rotated(PATHS, i):
             tps[path].append(await _streams(bases[path], streams, tokens))
     out: dict[str, Any] = {"streams": streams, "tokens_per_stream": tokens}
     out |= {f"{path}_tok_s": median(tps[path]) for path in PATHS}

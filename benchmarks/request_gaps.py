@@ -38,6 +38,7 @@ from ._harness import (
     hot_path_models,
     median,
     post_ok,
+    rotated,
     write_result,
 )
 
@@ -105,8 +106,7 @@ def _measure(
     cpu_s = dict.fromkeys(pids, 0.0)
     counted = True  # /proc was there for every block
     for block in range(BLOCKS):
-        order = [*PATHS[block % len(PATHS) :], *PATHS[: block % len(PATHS)]]
-        for path in order:
+        for path in rotated(PATHS, block):
             before = _cpu_s(pids[path]) if path in pids else None
             block_started = time.perf_counter()
             for _ in range(per_block):
