@@ -442,9 +442,16 @@ async def test_cancellation_at_each_step_leaves_table_and_index_consistent(
             assert not scope.cancelled_caught and stuck.is_set()
             rt.client.slot_action = real_action  # type: ignore[method-assign]
             kv._put_sync = real_put  # type: ignore[method-assign]
-            await trio.sleep(0.6)  # the server side notices the client left
-            table = host.scheduler.policy.table("tiny")  # type: ignore[union-attr]
-            assert table.slots[0].pin is None
+            scheduler = host.scheduler
+            assert scheduler is not None
+            # the server side notices the client left, and its job ends (after a slow
+            # write: it finishes, cancelled or not) and unpins the slot
+            await wait_until(
+                lambda: scheduler.policy.table("tiny").slots[0].pin is None,
+                within=30,
+                what="the walked-away job's slot unpinned",
+            )
+            table = scheduler.policy.table("tiny")
             ours = {p.name for p in kv.dirs["tiny"].iterdir()}
             assert ours == {e.file for e in kv.sessions()}  # no orphan, no dangling entry
             if step == "restore":
