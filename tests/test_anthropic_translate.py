@@ -384,6 +384,8 @@ def test_sampling_stop_sequences_stream_and_metadata() -> None:
     assert chat["verbose"] is True
     assert chat["response_fields"] == ["stop_type", "stopping_word"]
     assert chat["stream"] is True and chat["stream_options"] == {"include_usage": True}
+    assert chat["timings_per_token"] is True  # the prompt's figures for message_start
+    assert "timings_per_token" not in messages_to_chat(_request())
     assert "metadata" not in chat and "service_tier" not in chat
     assert "id_slot" not in chat and "cache_prompt" not in chat
 
@@ -855,6 +857,28 @@ def test_message_start_reports_the_prompt_when_timings_come_first() -> None:
     usage = events[0]["message"]["usage"]
     assert (usage["input_tokens"], usage["cache_read_input_tokens"]) == (12, 300)
     EVENT.validate_python(events[0])
+
+
+def test_message_start_waits_for_the_first_token_s_figures() -> None:
+    """llama-server sends its opening role delta without ``timings`` and the first token's
+    figures on the next chunk (``timings_per_token``): message_start carries those, as
+    the engine's own /v1/messages stream does, never zeros."""
+    stream = MessageStream("m")
+    assert stream.feed(_chunk({"role": "assistant", "content": None})) == b""
+    assert not stream.statistics().started
+    first_token = _chunk({"content": "Hi"})
+    first_token["timings"] = {"cache_n": 40, "prompt_n": 7, "predicted_n": 1}
+    later = _chunk({"content": "!"})
+    later["timings"] = {"cache_n": 40, "prompt_n": 7, "predicted_n": 2}
+    events = _run(stream, [first_token, later, _chunk({}, "stop")])
+    _check_order(events)
+    usage = events[0]["message"]["usage"]
+    assert (usage["input_tokens"], usage["cache_read_input_tokens"]) == (7, 40)
+    assert usage["output_tokens"] == 0
+    assert _validate(events).content[0].text == "Hi!"  # type: ignore[union-attr]
+    # without figures, the first output still starts the message (with zeros)
+    bare = _run(MessageStream("m"), [_chunk({"content": "x"}), _chunk({}, "stop")])
+    assert bare[0]["type"] == "message_start" and _validate(bare).content[0].type == "text"
 
 
 def test_stream_stop_sequence_is_told_from_the_engine_report() -> None:

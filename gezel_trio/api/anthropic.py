@@ -103,9 +103,7 @@ async def messages() -> Response:
     chat = messages_to_chat(body)
     owner = request_owner(host, body)
     runtime = resolve_model(host, body.get("model"), session=owner.route_session)
-    stream = body.get("stream") is True
-    if stream:
-        chat["stream_options"] = {"include_usage": True}
+    stream = chat["stream"] is True
     upstream = Completion("/v1/chat/completions", chat, "chat", stream=stream)
     stop_sequences = [s for s in body.get("stop_sequences") or () if isinstance(s, str)]
     shaper = AnthropicShaper(requested_model(body, runtime), stop_sequences)

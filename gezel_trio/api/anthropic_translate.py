@@ -150,7 +150,8 @@ def messages_to_chat(body: dict[str, Any]) -> dict[str, Any]:
     """Check an Anthropic ``POST /v1/messages`` body and return the chat body for the engine.
 
     Raises :class:`FieldError` naming the field (``"messages[2].content[0].type"``).
-    A streamed request asks for ``stream_options.include_usage``. Fields the API does
+    A streamed request asks for ``stream_options.include_usage`` and
+    ``timings_per_token`` (the prompt's figures for ``message_start``). Fields the API does
     not define are ignored; ``metadata`` is checked and not forwarded.
     """
     chat = _prompt_to_chat(body)
@@ -165,7 +166,10 @@ def messages_to_chat(body: dict[str, Any]) -> dict[str, Any]:
         raise FieldError("stream", "expected true or false")
     chat["stream"] = stream
     if stream:
+        # the usage chunk at the end, and the prompt's figures (``timings``) on every
+        # token's chunk: ``message_start`` carries the first one's input and cached tokens
         chat["stream_options"] = {"include_usage": True}
+        chat["timings_per_token"] = True
     _check_metadata(body.get("metadata"))
     return chat
 
@@ -804,10 +808,13 @@ class MessageStream:
     """Turns a chat completion stream into Anthropic's Messages stream.
 
     Feed each decoded chunk (one dict per ``data:`` line, as llama-server sends with
-    ``stream_options.include_usage``) to :meth:`feed`, then call :meth:`finish`. Each
-    returns the SSE bytes to send (``event: NAME\\ndata: JSON\\n\\n``), maybe ``b""``.
+    ``stream_options.include_usage`` and ``timings_per_token``) to :meth:`feed`, then
+    call :meth:`finish`. Each returns the SSE bytes to send
+    (``event: NAME\\ndata: JSON\\n\\n``), maybe ``b""``.
 
-    Events: ``message_start`` (and a ``ping``) on the first chunk; one content block at
+    Events: ``message_start`` (and a ``ping``) on the first chunk with the prompt's
+    figures or any output (the engine's opening role delta has neither, and its
+    ``input_tokens`` and ``cache_read_input_tokens`` are the engine's); one content block at
     a time, numbered in order: ``thinking`` (``thinking_delta``, then an empty
     ``signature_delta`` before it stops), ``text`` (``text_delta``), ``tool_use``
     (``input_json_delta``); ``message_delta`` with ``stop_reason`` and the usage;
@@ -860,8 +867,10 @@ class MessageStream:
             return b""
         if "error" in event and "choices" not in event:
             return self.engine_error(event["error"])
-        self._start(event)
         self._note_figures(event)
+        if not self._started and self._figures() is None and not _carries_output(event):
+            return b""  # the opening role delta: message_start waits for the prompt's figures
+        self._start()
         for choice in event.get("choices") or ():
             if isinstance(choice, dict) and choice.get("index", 0) == 0:
                 self._apply_choice(choice)
@@ -872,7 +881,7 @@ class MessageStream:
         the engine's stream ended without a ``finish_reason``; a no-op once done."""
         if self._done:
             return b""
-        self._start({})
+        self._start()
         self._close_block()
         for call in self._tools.values():
             if call.block is None:
@@ -884,7 +893,7 @@ class MessageStream:
             report=self._report,
             stop_sequences=self._stop_sequences,
         )
-        known = self._usage or self._timed
+        known = self._figures()
         usage = known.to_json() if known else {"output_tokens": 0}
         self._emit(
             "message_delta",
@@ -919,12 +928,14 @@ class MessageStream:
 
     # ------------------------------------------------------------------ chunks
 
-    def _start(self, event: dict[str, Any]) -> None:
-        """``message_start`` (usage from the first chunk's ``timings`` when it has them)."""
+    def _start(self) -> None:
+        """``message_start``, whose usage is the prompt's input and cached tokens as the
+        engine's own ``/v1/messages`` stream gives them (from the first token's
+        ``timings``), and no output yet."""
         if self._started:
             return
         self._started = True
-        usage = _Usage.from_chat(None, event.get("timings")) or _Usage()
+        usage = self._figures() or _Usage()
         message: dict[str, Any] = {
             "id": self.message_id,
             "type": "message",
@@ -937,6 +948,10 @@ class MessageStream:
         }
         self._emit("message_start", {"type": "message_start", "message": message})
         self._emit("ping", {"type": "ping"})
+
+    def _figures(self) -> _Usage | None:
+        """The latest token figures: the usage chunk's, else the last ``timings``."""
+        return self._usage or self._timed
 
     def _note_figures(self, event: dict[str, Any]) -> None:
         """Keep the latest usage (a ``usage`` chunk wins over ``timings``) and the stop report."""
@@ -1049,6 +1064,21 @@ class MessageStream:
         out = b"".join(self._out)
         self._out.clear()
         return out
+
+
+def _carries_output(event: dict[str, Any]) -> bool:
+    """Whether a chat chunk has text, thinking, a tool call or a finish reason."""
+    for choice in event.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        if isinstance(choice.get("finish_reason"), str):
+            return True
+        delta = choice.get("delta")
+        if isinstance(delta, dict) and any(
+            delta.get(name) for name in ("content", "reasoning_content", "tool_calls")
+        ):
+            return True
+    return False
 
 
 def _sse(name: str, data: dict[str, Any]) -> bytes:
