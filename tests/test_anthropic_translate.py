@@ -83,7 +83,9 @@ def test_minimal_request_becomes_a_chat_body_without_host_fields() -> None:
     }
 
 
-def test_multi_part_system_joins_its_blocks_and_drops_cache_control() -> None:
+def test_multi_part_system_joins_its_blocks_as_the_engine_does_and_drops_cache_control() -> None:
+    """Nothing between the blocks, as llama-server's own converter joins them: the host's
+    prompt (and its token count) is the one the engine's ``/v1/messages`` renders."""
     chat = messages_to_chat(
         _request(
             system=[
@@ -98,7 +100,7 @@ def test_multi_part_system_joins_its_blocks_and_drops_cache_control() -> None:
     )
     assert chat["messages"][0] == {
         "role": "system",
-        "content": "You are terse.\nAnswer in French.",
+        "content": "You are terse.Answer in French.",
     }
     assert chat["messages"][1] == {"role": "user", "content": "Hi"}
     assert messages_to_chat(_request(system="Be brief."))["messages"][0] == {
@@ -313,6 +315,81 @@ def test_redacted_thinking_is_dropped_and_an_empty_final_assistant_turn_too() ->
     assert prefill["messages"] == [{"role": "user", "content": "a"}]
 
 
+CLAUDE_CODE_TURN = [
+    {"role": "user", "content": [{"type": "text", "text": "What is 2+2?"}]},
+    {"role": "system", "content": "Available agent types and the tools they have access to:"},
+]
+
+
+def test_a_mid_conversation_system_message_stays_in_place() -> None:
+    """Claude Code 2.1 (beta ``mid-conversation-system-2026-04-07``) sends a system message
+    after the first user turn: it is a chat system message where it stands, as the
+    engine's own converter makes it, in messages and in count_tokens alike."""
+    body = _request(system="You are Claude Code.", messages=copy.deepcopy(CLAUDE_CODE_TURN))
+    expected = [
+        {"role": "system", "content": "You are Claude Code."},
+        {"role": "user", "content": [{"type": "text", "text": "What is 2+2?"}]},
+        {"role": "system", "content": "Available agent types and the tools they have access to:"},
+    ]
+    assert messages_to_chat(copy.deepcopy(body))["messages"] == expected
+    del body["max_tokens"]
+    assert count_tokens_to_chat(body)["messages"] == expected
+
+
+def test_every_role_and_content_shape_the_engine_passes_on() -> None:
+    chat = messages_to_chat(
+        _request(
+            messages=[
+                {"role": "user", "content": "a"},
+                {
+                    "role": "system",
+                    "content": [
+                        {"type": "text", "text": "rule 1", "cache_control": {"type": "ephemeral"}},
+                        {"type": "text", "text": "rule 2"},
+                    ],
+                },
+                {"role": "assistant"},  # no content: upstream skips it
+                {"role": "developer", "content": "be brief"},
+                {"role": "system", "content": []},  # no blocks: nothing, as upstream
+                {"role": "user", "content": None},  # rendered as empty by the engine
+                {"role": "user", "content": "b"},
+            ]
+        )
+    )
+    assert chat["messages"] == [
+        {"role": "user", "content": "a"},
+        {
+            "role": "system",
+            "content": [{"type": "text", "text": "rule 1"}, {"type": "text", "text": "rule 2"}],
+        },
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": ""},
+        {"role": "user", "content": "b"},
+    ]
+    with pytest.raises(FieldError) as info:
+        messages_to_chat(
+            _request(
+                messages=[
+                    {"role": "user", "content": "a"},
+                    {"role": "system", "content": [{"type": "tool_use", "id": "t", "name": "n"}]},
+                ]
+            )
+        )
+    assert info.value.param == "messages.1.content.0.type"
+    assert '"tool_use" is not supported in a "system" message' in info.value.message
+
+
+def test_a_role_that_is_no_string_is_refused_in_anthropic_s_words() -> None:
+    """Claude Code drops its mid-conversation system messages and retries when a 400 says
+    ``Unexpected role`` and ``input message role`` (Anthropic's wording): the host's
+    refusal of a role it cannot read says both."""
+    with pytest.raises(FieldError) as info:
+        messages_to_chat(_request(messages=[{"role": 7, "content": "a"}]))
+    assert info.value.param == "messages.0.role"
+    assert "Unexpected role 7" in info.value.message
+    assert "input message role" in info.value.message
+
+
 def test_text_documents_are_read_and_pdfs_are_refused() -> None:
     doc = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "X"}}
     chat = messages_to_chat(_request(messages=[{"role": "user", "content": [doc]}]))
@@ -323,7 +400,7 @@ def test_text_documents_are_read_and_pdfs_are_refused() -> None:
     }
     with pytest.raises(FieldError) as info:
         messages_to_chat(_request(messages=[{"role": "user", "content": [pdf]}]))
-    assert info.value.param == "messages[0].content[0].source.type"
+    assert info.value.param == "messages.0.content.0.source.type"
 
 
 @pytest.mark.parametrize(
@@ -397,9 +474,20 @@ def test_count_tokens_needs_no_max_tokens() -> None:
     assert "max_tokens" not in chat and "stream" not in chat
     assert chat["messages"][0] == {"role": "system", "content": "S"}
     assert chat["tools"][0]["function"]["name"] == "get_weather"
-    with pytest.raises(FieldError) as info:
-        messages_to_chat(body)
-    assert info.value.param == "max_tokens"
+
+
+def test_max_tokens_and_messages_may_be_what_the_engine_serves() -> None:
+    """The engine serves a request without ``max_tokens`` (it generates until the turn or
+    the slot ends), with ``max_tokens: 0``, and with no messages: so does the host."""
+    body = _request()
+    del body["max_tokens"]
+    assert "max_tokens" not in messages_to_chat(body)
+    del body["model"]  # the host's first model, as on every route
+    assert "model" not in messages_to_chat(body)
+    assert messages_to_chat(_request(max_tokens=0))["max_tokens"] == 0
+    assert messages_to_chat(_request(system="S", messages=[]))["messages"] == [
+        {"role": "system", "content": "S"}
+    ]
 
 
 def test_a_request_built_by_the_anthropic_sdk_translates() -> None:
@@ -447,13 +535,6 @@ def test_a_request_built_by_the_anthropic_sdk_translates() -> None:
 # ------------------------------------------------------------------ bad input
 
 
-def _drop(key: str) -> Callable[[dict[str, Any]], None]:
-    def apply(body: dict[str, Any]) -> None:
-        del body[key]
-
-    return apply
-
-
 def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
     def apply(body: dict[str, Any]) -> None:
         target: Any = body
@@ -484,46 +565,46 @@ _CONVERSATION = [
 @pytest.mark.parametrize(
     ("change", "param"),
     [
-        (_drop("model"), "model"),
         (_set("model", 7), "model"),
-        (_drop("max_tokens"), "max_tokens"),
-        (_set("max_tokens", 0), "max_tokens"),
+        (_set("max_tokens", -1), "max_tokens"),
         (_set("max_tokens", True), "max_tokens"),
-        (_set("messages", []), "messages"),
+        (_set("max_tokens", "8"), "max_tokens"),
         (_set("messages", "hi"), "messages"),
-        (_set("messages.0", "hi"), "messages[0]"),
-        (_set("messages.0.role", "system"), "messages[0].role"),
-        (_set("messages.0.content", None), "messages[0].content"),
-        (_set("messages.0.content", []), "messages[0].content"),
-        (_set("messages.0.content.0.type", "video"), "messages[0].content[0].type"),
-        (_set("messages.0.content.0", {"text": "no type"}), "messages[0].content[0].type"),
-        (_set("messages.0.content.0.text", 5), "messages[0].content[0].text"),
-        (_set("messages.1.content.0.type", "server_tool_use"), "messages[1].content[0].type"),
-        (_set("messages.1.content.0.input", "{}"), "messages[1].content[0].input"),
-        (_set("messages.1.content.0.id", ""), "messages[1].content[0].id"),
-        (_set("messages.1.content.0.name", None), "messages[1].content[0].name"),
-        (_set("messages.0.content.0.type", "tool_use"), "messages[0].content[0].type"),
-        (_set("messages.1.content.0.type", "tool_result"), "messages[1].content[0].type"),
-        (_set("messages.1.content.0.type", "image"), "messages[1].content[0].type"),
-        (_set("messages.2.content.0.tool_use_id", None), "messages[2].content[0].tool_use_id"),
-        (_set("messages.2.content.0.is_error", "yes"), "messages[2].content[0].is_error"),
-        (_set("messages.2.content.0.content", 3), "messages[2].content[0].content"),
+        (_set("messages.0", "hi"), "messages.0"),
+        (_set("messages.0.role", 5), "messages.0.role"),
+        (_set("messages.0.role", None), "messages.0.role"),
+        (_set("messages.0", {"content": "no role"}), "messages.0.role"),
+        (_set("messages.0", {"role": "user"}), "messages.0.content"),
+        (_set("messages.0.content", 5), "messages.0.content"),
+        (_set("messages.0.content.0.type", "video"), "messages.0.content.0.type"),
+        (_set("messages.0.content.0", {"text": "no type"}), "messages.0.content.0.type"),
+        (_set("messages.0.content.0.text", 5), "messages.0.content.0.text"),
+        (_set("messages.1.content.0.type", "server_tool_use"), "messages.1.content.0.type"),
+        (_set("messages.1.content.0.input", "{}"), "messages.1.content.0.input"),
+        (_set("messages.1.content.0.id", ""), "messages.1.content.0.id"),
+        (_set("messages.1.content.0.name", None), "messages.1.content.0.name"),
+        (_set("messages.0.content.0.type", "tool_use"), "messages.0.content.0.type"),
+        (_set("messages.1.content.0.type", "tool_result"), "messages.1.content.0.type"),
+        (_set("messages.1.content.0.type", "image"), "messages.1.content.0.type"),
+        (_set("messages.2.content.0.tool_use_id", None), "messages.2.content.0.tool_use_id"),
+        (_set("messages.2.content.0.is_error", "yes"), "messages.2.content.0.is_error"),
+        (_set("messages.2.content.0.content", 3), "messages.2.content.0.content"),
         (
             _set("messages.2.content.0.content", [{"type": "search_result"}]),
-            "messages[2].content[0].content[0].type",
+            "messages.2.content.0.content.0.type",
         ),
         (
             _set("messages.2.content.1.source.media_type", "image/bmp"),
-            "messages[2].content[1].source.media_type",
+            "messages.2.content.1.source.media_type",
         ),
         (
             _set("messages.2.content.1.source", {"type": "file", "file_id": "f"}),
-            "messages[2].content[1].source.type",
+            "messages.2.content.1.source.type",
         ),
-        (_set("messages.2.content.1.source.data", None), "messages[2].content[1].source.data"),
+        (_set("messages.2.content.1.source.data", None), "messages.2.content.1.source.data"),
         (_set("system", 5), "system"),
-        (_set("system", [{"type": "image"}]), "system[0].type"),
-        (_set("system", [{"type": "text"}]), "system[0].text"),
+        (_set("system", [{"type": "image"}]), "system.0.type"),
+        (_set("system", [{"type": "text"}]), "system.0.text"),
         (_set("stop_sequences", "###"), "stop_sequences"),
         (_set("temperature", 1.5), "temperature"),
         (_set("temperature", "hot"), "temperature"),
@@ -533,12 +614,12 @@ _CONVERSATION = [
         (_set("metadata", "me"), "metadata"),
         (_set("metadata", {"user_id": 5}), "metadata.user_id"),
         (_set("tools", {"name": "x"}), "tools"),
-        (_set("tools", [{"type": "web_search_20250305", "name": "web_search"}]), "tools[0].type"),
-        (_set("tools", [{"name": "x"}]), "tools[0].input_schema"),
-        (_set("tools", [{"input_schema": {}}]), "tools[0].name"),
+        (_set("tools", [{"type": "web_search_20250305", "name": "web_search"}]), "tools.0.type"),
+        (_set("tools", [{"name": "x"}]), "tools.0.input_schema"),
+        (_set("tools", [{"input_schema": {}}]), "tools.0.name"),
         (
             _set("tools", [{"name": "x", "input_schema": {}, "description": 1}]),
-            "tools[0].description",
+            "tools.0.description",
         ),
         (_set("tool_choice", "auto"), "tool_choice"),
         (_set("tool_choice", {"type": "required"}), "tool_choice.type"),

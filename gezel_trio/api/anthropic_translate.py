@@ -23,8 +23,10 @@ documented API disagree, this module follows Anthropic and says so:
 - a user turn's ``tool_result`` blocks become ``tool`` messages *before* the
   user message holding its other blocks (upstream puts them after, which
   separates them from the assistant's ``tool_calls``);
-- several text blocks of ``system`` or of a ``tool_result`` join with a newline,
-  the way llama-server itself joins text parts (upstream joins them with nothing);
+- several text blocks of a ``tool_result`` join with a newline, the way
+  llama-server itself joins text parts (upstream joins them with nothing; the
+  top-level ``system`` blocks are joined as upstream does, so the prompt of a
+  Claude Code request is the engine's own, token for token);
 - ``tool_choice`` ``none`` becomes ``"none"``, ``tool`` forces the named tool by
   sending only that one, ``disable_parallel_tool_use`` becomes
   ``parallel_tool_calls: false`` (upstream maps ``none`` to nothing and ``tool``
@@ -35,7 +37,12 @@ documented API disagree, this module follows Anthropic and says so:
   "stop_sequence"`` (upstream says ``end_turn``); the request asks the engine
   for ``__verbose.stop_type``/``stopping_word`` to tell;
 - unknown content block types, server tools, PDF documents and malformed
-  fields are a 400 naming the field (upstream drops them or answers 500).
+  fields are a 400 naming the field (upstream drops them or answers 500), in
+  Anthropic's words and path style (``messages.1.content.0.type: ...``).
+
+Every message role that upstream passes on to the chat template is kept where it
+stands: ``user``, ``assistant``, a mid-conversation ``system`` message (Claude Code
+sends one with the beta ``mid-conversation-system-2026-04-07``), and any other.
 """
 
 from __future__ import annotations
@@ -149,13 +156,16 @@ _STOP_REPORT: dict[str, Any] = {
 def messages_to_chat(body: dict[str, Any]) -> dict[str, Any]:
     """Check an Anthropic ``POST /v1/messages`` body and return the chat body for the engine.
 
-    Raises :class:`FieldError` naming the field (``"messages[2].content[0].type"``).
+    Raises :class:`FieldError` naming the field in Anthropic's path style
+    (``"messages.2.content.0.type"``).
     A streamed request asks for ``stream_options.include_usage`` and
     ``timings_per_token`` (the prompt's figures for ``message_start``). Fields the API does
     not define are ignored; ``metadata`` is checked and not forwarded.
     """
     chat = _prompt_to_chat(body)
-    chat["max_tokens"] = _max_tokens(body.get("max_tokens"))
+    max_tokens = _max_tokens(body.get("max_tokens"))
+    if max_tokens is not None:
+        chat["max_tokens"] = max_tokens
     _add_sampling(body, chat)
     stops = _stop_sequences(body.get("stop_sequences"))
     if stops:
@@ -182,7 +192,9 @@ def count_tokens_to_chat(body: dict[str, Any]) -> dict[str, Any]:
 
 def _prompt_to_chat(body: dict[str, Any]) -> dict[str, Any]:
     """The fields that shape the prompt: model, system, messages, tools, thinking."""
-    chat: dict[str, Any] = {"model": _model(body.get("model"))}
+    chat: dict[str, Any] = {}
+    if _model(body.get("model")):
+        chat["model"] = body["model"]
     chat["messages"] = [
         *_system_messages(body.get("system")),
         *_chat_messages(body.get("messages")),
@@ -195,15 +207,23 @@ def _prompt_to_chat(body: dict[str, Any]) -> dict[str, Any]:
     return chat
 
 
-def _model(model: object) -> str:
-    if not isinstance(model, str) or not model:
-        raise FieldError("model", "required: a string naming the model")
+def _model(model: object) -> str | None:
+    """The model named, if any: without one the host serves its first model, as on
+    every route (the engine serves its only one)."""
+    if model is None:
+        return None
+    if not isinstance(model, str):
+        raise FieldError("model", "expected a string naming the model")
     return model
 
 
-def _max_tokens(value: object) -> int:
-    if not _is_int(value) or value < 1:
-        raise FieldError("max_tokens", "required: an integer >= 1, the most tokens to generate")
+def _max_tokens(value: object) -> int | None:
+    """Anthropic requires it; the engine does not (none: generate until the end of the
+    turn or of the slot), and takes 0 as well, so the host does too."""
+    if value is None:
+        return None
+    if not _is_int(value) or value < 0:
+        raise FieldError("max_tokens", "expected an integer >= 0, the most tokens to generate")
     return value
 
 
@@ -244,15 +264,16 @@ def _check_metadata(metadata: object) -> None:
 
 
 def _system_messages(system: object) -> list[dict[str, Any]]:
-    """``system`` as one chat system message (as upstream: present means sent, even empty)."""
+    """``system`` as one chat system message (as upstream: present means sent, even empty;
+    text blocks joined with nothing between them, so the prompt is the engine's own)."""
     if system is None:
         return []
     if isinstance(system, str):
         return [{"role": "system", "content": _normalize_billing_header(system)}]
     if not isinstance(system, list):
         raise FieldError("system", "expected a string or an array of text blocks")
-    texts = [_normalize_billing_header(_text_of(f"system[{i}]", b)) for i, b in enumerate(system)]
-    return [{"role": "system", "content": "\n".join(texts)}]
+    texts = [_normalize_billing_header(_text_of(f"system.{i}", b)) for i, b in enumerate(system)]
+    return [{"role": "system", "content": "".join(texts)}]
 
 
 def _text_of(where: str, block: object) -> str:
@@ -283,40 +304,45 @@ def _normalize_billing_header(text: str) -> str:
 
 
 def _chat_messages(messages: object) -> list[dict[str, Any]]:
-    if not isinstance(messages, list) or not messages:
-        raise FieldError("messages", "required: a non-empty array of {role, content} objects")
+    if not isinstance(messages, list):
+        raise FieldError("messages", "required: an array of {role, content} objects")
     out: list[dict[str, Any]] = []
-    last = len(messages) - 1
     for i, message in enumerate(messages):
-        out.extend(_chat_message(f"messages[{i}]", message, final=i == last))
+        out.extend(_chat_message(f"messages.{i}", message))
     return out
 
 
-def _chat_message(where: str, message: object, *, final: bool) -> list[dict[str, Any]]:
-    """One Anthropic message as chat messages (a user turn with tool results gives several)."""
+def _chat_message(where: str, message: object) -> list[dict[str, Any]]:
+    """One Anthropic message as chat messages, in place (a user turn with tool results
+    gives several). Every role the engine's converter passes on is kept: ``user`` and
+    ``assistant``, a mid-conversation ``system`` message (Claude Code sends one after
+    the first user turn), and any other role the chat template may render. A message
+    whose blocks give nothing (an empty array) is dropped, as upstream drops it."""
     if not isinstance(message, dict):
         raise FieldError(where, "expected an object with role and content")
     role = message.get("role")
-    if role not in ("user", "assistant"):
+    if not isinstance(role, str):
         raise FieldError(
             f"{where}.role",
-            'expected "user" or "assistant" (system instructions go in the top-level "system")',
+            f"Unexpected role {_compact_json(role)}. The Messages API accepts "
+            '"user", "assistant" or "system" as an input message role',
         )
-    content = message.get("content")
+    if "content" not in message:
+        if role == "assistant":  # upstream skips it
+            return []
+        raise FieldError(f"{where}.content", "Field required: a string or an array of blocks")
+    content = message["content"]
+    if content is None:  # the engine renders a null content as empty
+        return [{"role": role, "content": ""}]
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
-        raise FieldError(f"{where}.content", "required: a string or an array of content blocks")
-    if not content:
-        if role == "assistant" and final:
-            return []
-        raise FieldError(
-            f"{where}.content",
-            "expected at least one content block (only a final assistant message may be empty)",
-        )
+        raise FieldError(f"{where}.content", "expected a string or an array of content blocks")
     if role == "user":
         return _user_messages(where, content)
-    return _assistant_messages(where, content)
+    if role == "assistant":
+        return _assistant_messages(where, content)
+    return _instruction_messages(where, role, content)
 
 
 def _user_messages(where: str, content: list[Any]) -> list[dict[str, Any]]:
@@ -324,7 +350,7 @@ def _user_messages(where: str, content: list[Any]) -> list[dict[str, Any]]:
     parts: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for j, raw in enumerate(content):
-        at = f"{where}.content[{j}]"
+        at = f"{where}.content.{j}"
         block = _block(at, raw)
         kind = block["type"]
         if kind == "text":
@@ -353,7 +379,7 @@ def _assistant_messages(where: str, content: list[Any]) -> list[dict[str, Any]]:
     calls: list[dict[str, Any]] = []
     reasoning: list[str] = []
     for j, raw in enumerate(content):
-        at = f"{where}.content[{j}]"
+        at = f"{where}.content.{j}"
         block = _block(at, raw)
         kind = block["type"]
         if kind == "text":
@@ -376,6 +402,29 @@ def _assistant_messages(where: str, content: list[Any]) -> list[dict[str, Any]]:
     if reasoning:
         message["reasoning_content"] = "".join(reasoning)
     return [message]
+
+
+def _instruction_messages(where: str, role: str, content: list[Any]) -> list[dict[str, Any]]:
+    """A ``system`` message (or another role's) in blocks: its text, image and document
+    blocks as parts of one message of that role, as upstream sends them."""
+    parts: list[dict[str, Any]] = []
+    for j, raw in enumerate(content):
+        at = f"{where}.content.{j}"
+        block = _block(at, raw)
+        kind = block["type"]
+        if kind == "text":
+            parts.append(_text_part(at, block))
+        elif kind == "image":
+            parts.append(_image_part(at, block))
+        elif kind == "document":
+            parts.extend(_document_parts(at, block))
+        else:
+            raise FieldError(
+                f"{at}.type",
+                f"{_compact_json(kind)} is not supported in a {_compact_json(role)} message; "
+                "send text, image or document blocks",
+            )
+    return [{"role": role, "content": parts}] if parts else []
 
 
 def _block(where: str, block: object) -> dict[str, Any]:
@@ -436,7 +485,7 @@ def _document_parts(where: str, block: dict[str, Any]) -> list[dict[str, Any]]:
         if isinstance(content, str):
             return [{"type": "text", "text": content}]
         if isinstance(content, list):
-            return [_media_part(f"{where}.source.content[{k}]", c) for k, c in enumerate(content)]
+            return [_media_part(f"{where}.source.content.{k}", c) for k, c in enumerate(content)]
         raise FieldError(f"{where}.source.content", "expected a string or an array of blocks")
     raise FieldError(
         f"{where}.source.type",
@@ -472,7 +521,7 @@ def _tool_message(where: str, block: dict[str, Any]) -> dict[str, Any]:
     elif isinstance(content, str):
         result = content
     elif isinstance(content, list):
-        parts = [_media_part(f"{where}.content[{k}]", c) for k, c in enumerate(content)]
+        parts = [_media_part(f"{where}.content.{k}", c) for k, c in enumerate(content)]
         if all(part["type"] == "text" for part in parts):
             result = "\n".join(part["text"] for part in parts)
         else:
@@ -508,7 +557,7 @@ def _tools(tools: object) -> list[dict[str, Any]]:
         return []
     if not isinstance(tools, list):
         raise FieldError("tools", "expected an array of tools with name and input_schema")
-    return [_function_tool(f"tools[{i}]", tool) for i, tool in enumerate(tools)]
+    return [_function_tool(f"tools.{i}", tool) for i, tool in enumerate(tools)]
 
 
 def _function_tool(where: str, tool: object) -> dict[str, Any]:
