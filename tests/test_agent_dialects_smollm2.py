@@ -212,3 +212,38 @@ async def test_message_start_carries_the_prompt_and_cached_tokens_as_the_engine_
         assert finals[turn]["cache_read_input_tokens"] == host_usage["cache_read_input_tokens"]
     assert starts["host"][0]["input_tokens"] > 0
     assert starts["host"][1]["cache_read_input_tokens"] > 0, starts
+
+
+async def test_responses_input_items_without_type_are_messages(
+    state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    """``{"role", "content"}`` items, as OpenAI reads them: the engine refuses the
+    assistant one (``Cannot determine type of 'item'``), the host serves the
+    conversation with the prompt the engine builds from the same items typed."""
+    untyped: list[dict[str, Any]] = [
+        {"role": "developer", "content": "Answer briefly."},
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": [{"type": "input_text", "text": "And of Italy?"}]},
+    ]
+    typed = [{"type": "message", **item} for item in untyped]
+    ask = {"model": MODEL, "max_output_tokens": 4, "temperature": 0}
+    with trio.fail_after(180):
+        async with _host_and_engine(state_dir, engine_binary) as (host, engine):
+            refused = await engine.post("/v1/responses", json={**ask, "input": untyped})
+            truth = await engine.post("/v1/responses", json={**ask, "input": typed})
+            served = await host.post("/v1/responses", json={**ask, "input": untyped})
+            counted = await engine.post("/v1/responses/input_tokens", json={"input": typed})
+            host_counted = await host.post(
+                "/v1/responses/input_tokens", json={"model": MODEL, "input": untyped}
+            )
+    assert refused.status_code == 400 and "Cannot determine type" in refused.text
+    assert truth.status_code == 200, truth.text
+    assert served.status_code == 200, served.text
+    answer = served.json()
+    assert answer["status"] == "completed" and answer["output"], answer
+    prompt = truth.json()["usage"]["input_tokens"]
+    assert answer["usage"]["input_tokens"] == prompt
+    assert counted.status_code == 200 and counted.json()["input_tokens"] == prompt
+    assert host_counted.status_code == 200, host_counted.text
+    assert host_counted.json()["input_tokens"] == prompt

@@ -29,6 +29,7 @@ scheduler, which makes it resident first.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from quart import Blueprint, Response, request
@@ -41,6 +42,7 @@ from .auth import request_owner
 from .exchange import current_exchange
 from .metrics_endpoint import resolve_model
 from .relay import PassThrough, proxy_completion, rename_for, slot_free_call, whole_engine_call
+from .responses import typed_input
 from .validation import check_completion_body, check_infill_body, read_json_object
 
 bp = Blueprint("native", __name__)
@@ -236,11 +238,16 @@ def _slot_free_body(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k != "id_slot"}
 
 
-async def _slot_free(path: str) -> Response:
+async def _slot_free(
+    path: str, shape: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+) -> Response:
     """A call that needs the model's engine but none of its slots: the chat template
-    applied, or a request's input tokens counted."""
+    applied, or a request's input tokens counted (its body given the dialect's
+    ``shape`` first, as its completion route gives it)."""
     host = _host()
     body = _slot_free_body(await read_json_object())
+    if shape is not None:
+        body = shape(body)
     runtime = resolve_model(host, body.get("model"))
     return _answer(await slot_free_call(host, runtime, "POST", path, body=body))
 
@@ -259,7 +266,7 @@ async def chat_input_tokens() -> Response:
 @bp.post("/v1/responses/input_tokens")
 @bp.post("/responses/input_tokens")
 async def responses_input_tokens() -> Response:
-    return await _slot_free("/v1/responses/input_tokens")
+    return await _slot_free("/v1/responses/input_tokens", typed_input)
 
 
 # ------------------------------------------------------------------ rerank

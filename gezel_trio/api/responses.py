@@ -9,6 +9,11 @@ the whole response.
 The engine keeps no state between requests: ``previous_response_id`` and
 ``conversation`` (which ask the server to remember a conversation) are a 400
 that says to send the whole conversation in ``input``, never a silent drop.
+
+An input item with a ``role`` and no ``type`` is a message, as OpenAI reads it
+(Codex-like clients send ``{"role": "assistant", "content": ...}``): the host
+gives it ``"type": "message"`` before the engine, whose converter otherwise
+refuses an assistant item so written (``Cannot determine type of 'item'``).
 """
 
 from __future__ import annotations
@@ -66,12 +71,27 @@ def check_responses_body(body: dict[str, Any]) -> None:
             raise FieldError(name, "expected a number")
 
 
+def typed_input(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` with every input item that has a ``role`` but no ``type`` marked as a
+    message (OpenAI's "easy input message"); the client's own dict is left as it is."""
+    inp = body.get("input")
+    if not isinstance(inp, list) or not any(_untyped_message(item) for item in inp):
+        return body
+    items = [{**item, "type": "message"} if _untyped_message(item) else item for item in inp]
+    return {**body, "input": items}
+
+
+def _untyped_message(item: object) -> bool:
+    return isinstance(item, dict) and "type" not in item and "role" in item
+
+
 @bp.post("/v1/responses")
 @bp.post("/responses")
 async def create_response() -> Response:
     host = current_exchange().host
     body = await read_json_object()
     check_responses_body(body)
+    body = typed_input(body)
     owner = request_owner(host, body)
     runtime = resolve_model(host, body.get("model"), session=owner.route_session)
     upstream = Completion("/v1/responses", body, "responses", stream=body.get("stream") is True)
