@@ -478,13 +478,17 @@ def test_count_tokens_needs_no_max_tokens() -> None:
 
 def test_max_tokens_and_messages_may_be_what_the_engine_serves() -> None:
     """The engine serves a request without ``max_tokens`` (it generates until the turn or
-    the slot ends), with ``max_tokens: 0``, and with no messages: so does the host."""
+    the slot ends), with ``max_tokens: 0``, with no messages, and with sampling settings
+    outside Anthropic's ranges: so does the host."""
     body = _request()
     del body["max_tokens"]
     assert "max_tokens" not in messages_to_chat(body)
     del body["model"]  # the host's first model, as on every route
     assert "model" not in messages_to_chat(body)
     assert messages_to_chat(_request(max_tokens=0))["max_tokens"] == 0
+    wide = messages_to_chat(_request(temperature=1.5, top_p=2, top_k=-1, stop_sequences=[""]))
+    assert (wide["temperature"], wide["top_p"], wide["top_k"]) == (1.5, 2, -1)
+    assert wide["stop"] == [""]
     assert messages_to_chat(_request(system="S", messages=[]))["messages"] == [
         {"role": "system", "content": "S"}
     ]
@@ -606,9 +610,10 @@ _CONVERSATION = [
         (_set("system", [{"type": "image"}]), "system.0.type"),
         (_set("system", [{"type": "text"}]), "system.0.text"),
         (_set("stop_sequences", "###"), "stop_sequences"),
-        (_set("temperature", 1.5), "temperature"),
+        (_set("stop_sequences", ["###", 3]), "stop_sequences"),
         (_set("temperature", "hot"), "temperature"),
-        (_set("top_p", -0.1), "top_p"),
+        (_set("temperature", float("nan")), "temperature"),
+        (_set("top_p", "0.9"), "top_p"),
         (_set("top_k", 1.5), "top_k"),
         (_set("stream", "yes"), "stream"),
         (_set("metadata", "me"), "metadata"),

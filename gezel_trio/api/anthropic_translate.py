@@ -228,25 +228,27 @@ def _max_tokens(value: object) -> int | None:
 
 
 def _add_sampling(body: dict[str, Any], chat: dict[str, Any]) -> None:
+    """Any number, as the engine takes them (Anthropic's own range is 0 to 1; the
+    engine samples greedily at 0 and below, and caps ``top_p`` at 1)."""
     for name in ("temperature", "top_p"):
         value = body.get(name)
         if value is None:
             continue
-        if not _is_number(value) or not 0 <= value <= 1:
-            raise FieldError(name, "expected a number from 0 to 1")
+        if not _is_number(value):
+            raise FieldError(name, "expected a number")
         chat[name] = value
     top_k = body.get("top_k")
     if top_k is not None:
-        if not _is_int(top_k) or top_k < 0:
-            raise FieldError("top_k", "expected an integer >= 0")
+        if not _is_int(top_k):
+            raise FieldError("top_k", "expected an integer (0 or less: no top-k)")
         chat["top_k"] = top_k
 
 
 def _stop_sequences(value: object) -> list[str]:
     if value is None:
         return []
-    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
-        raise FieldError("stop_sequences", "expected an array of non-empty strings")
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise FieldError("stop_sequences", "expected an array of strings")
     return list(value)
 
 
