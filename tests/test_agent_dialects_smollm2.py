@@ -237,6 +237,10 @@ async def test_responses_input_items_without_type_are_messages(
             host_counted = await host.post(
                 "/v1/responses/input_tokens", json={"model": MODEL, "input": untyped}
             )
+            # what the engine serves though OpenAI would not: no input, no output
+            edges = {"model": MODEL, "input": [], "max_output_tokens": 0}
+            edge_direct = await engine.post("/v1/responses", json=edges)
+            edge_served = await host.post("/v1/responses", json=edges)
     assert refused.status_code == 400 and "Cannot determine type" in refused.text
     assert truth.status_code == 200, truth.text
     assert served.status_code == 200, served.text
@@ -247,3 +251,8 @@ async def test_responses_input_items_without_type_are_messages(
     assert counted.status_code == 200 and counted.json()["input_tokens"] == prompt
     assert host_counted.status_code == 200, host_counted.text
     assert host_counted.json()["input_tokens"] == prompt
+    assert edge_direct.status_code == 200, edge_direct.text
+    assert edge_served.status_code == 200, edge_served.text
+    assert (
+        edge_served.json()["usage"]["input_tokens"] == edge_direct.json()["usage"]["input_tokens"]
+    )

@@ -48,8 +48,8 @@ def check_responses_body(body: dict[str, Any]) -> None:
                 "send the whole conversation in input (and store: false)",
             )
     inp = body.get("input")
-    if not isinstance(inp, str | list) or not inp:
-        raise FieldError("input", "required: a string, or a non-empty array of input items")
+    if not isinstance(inp, str | list):  # empty is served, as the engine serves it
+        raise FieldError("input", "required: a string, or an array of input items")
     if isinstance(inp, list):
         for i, item in enumerate(inp):
             if not isinstance(item, dict):
@@ -60,8 +60,8 @@ def check_responses_body(body: dict[str, Any]) -> None:
     if "stream" in body and not isinstance(body["stream"], bool):
         raise FieldError("stream", "expected true or false")
     limit = body.get("max_output_tokens")
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-        raise FieldError("max_output_tokens", "expected a positive integer")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
+        raise FieldError("max_output_tokens", "expected an integer >= 0")
     key = body.get("prompt_cache_key")
     if key is not None and (not isinstance(key, str) or len(key) > 512):
         raise FieldError("prompt_cache_key", "expected a string of at most 512 characters")
