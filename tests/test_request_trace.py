@@ -157,11 +157,11 @@ async def test_every_abandoned_request_leaves_one_trace_with_its_slot_and_tokens
             assert line["duration_ms"] > 0
 
             # 2. A request abandoned while queued: the one slot generates for another.
+            async def generating() -> bool:
+                return await slots_busy(base_url) == [0]
+
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(lambda: client.post("/v1/chat/completions", json=CHAT))
-
-                async def generating() -> bool:
-                    return await slots_busy(base_url) == [0]
 
                 await wait_until(generating, within=10, what="the engine generating")
                 before = await traces.now()
@@ -190,6 +190,21 @@ async def test_every_abandoned_request_leaves_one_trace_with_its_slot_and_tokens
             generated = _engine_generated(host, prompt_tokens)
             assert line["slot"] == 0 and line["ttft_ms"] is not None
             assert 1 <= line["completion_tokens"] <= generated + 1
+
+            # 4. The same through Quart (Ollama's route): its front records it too.
+            before = await traces.now()
+            ollama = {
+                "model": "tiny",
+                "messages": CHAT["messages"],
+                "stream": False,
+                "options": {"num_predict": 4000, "temperature": 0},
+            }
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(lambda: client.post("/api/chat", json=ollama))
+                await wait_until(generating, within=10, what="the engine generating")
+                nursery.cancel_scope.cancel()
+            line = await traces.one_more(before, host)
+            assert line["path"] == "/api/chat" and line["slot"] == 0
 
             # Each left its own row: none was recorded as answered (200) on top.
             assert len(_lines(caplog, 200)) == 1  # the warm-up only

@@ -102,6 +102,9 @@ class LeanFront:
             if route is not None:
                 await self._serve(route, scope, receive, send)
                 return
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
         with watch_exchanges() as opened:  # Quart opens them, in a task of its own
             try:
                 await self.app(scope, receive, send)
