@@ -19,9 +19,12 @@ import pytest
 import trio
 
 from gezel_trio.config.schema import ModelConfig
+from gezel_trio.engine.assemble import Shape
 from gezel_trio.engine.binary import EngineBinary
+from gezel_trio.engine.usage import tail_counts
 from gezel_trio.errors import EngineFailed
 from gezel_trio.host import Host
+from gezel_trio.host.completion import Progress
 
 from .conftest import make_config, running
 from .fault_tools import slots_busy, wait_nothing_held, wait_until
@@ -288,3 +291,36 @@ async def test_a_failed_kv_save_says_why_and_a_cancelled_one_is_no_failure(
             assert "KV save of tiny slot 0 failed: " in warning.getMessage()
             assert len(warning.getMessage()) > len("KV save of tiny slot 0 failed: ") + 5
             await gone.rename(save_dir)
+
+
+async def test_tokens_in_a_stream_are_counted_as_the_engine_counts_them(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    """What a cut request's line says it generated is read from the engine's stream as it
+    passes (:func:`generated_in`): on every engine route the host streams, the count over
+    a whole stream is the engine's own ``completion_tokens`` / ``predicted_n``."""
+    cfg = _cfg(tiny_model, state_dir, engine_binary)
+    cases: list[tuple[Shape, str, dict[str, Any]]] = [
+        ("chat", "/v1/chat/completions", {"messages": CHAT["messages"], "max_tokens": 12}),
+        ("text", "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 12}),
+        ("native", "/completion", {"prompt": "Once upon a time", "n_predict": 12}),
+        ("responses", "/v1/responses", {"input": "Once upon a time", "max_output_tokens": 12}),
+    ]
+    with trio.fail_after(120):
+        async with running(cfg) as (host, client):
+            warm = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 1})
+            assert warm.status_code == 200  # the engine runs
+            base_url = host.models["tiny"].engine.base_url
+            assert base_url is not None
+            async with httpx.AsyncClient(base_url=base_url, timeout=60) as engine:
+                for shape, path, body in cases:
+                    progress = Progress()
+                    raw = b""
+                    wire = {**body, "stream": True, "ignore_eos": True, "temperature": 0}
+                    async with engine.stream("POST", path, json=wire) as resp:
+                        assert resp.status_code == 200, path
+                        async for chunk in resp.aiter_raw():
+                            progress.add(chunk, shape)
+                            raw += chunk
+                    assert progress.tokens == tail_counts(raw)[2] == 12, (path, progress)
+                    assert progress.first_token_at is not None

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-__all__ = ["Shape", "StreamAssembler", "generates"]
+__all__ = ["Shape", "StreamAssembler"]
 
 Shape = Literal["chat", "text", "native", "responses"]
 
@@ -153,33 +153,6 @@ class StreamAssembler:
         if "logprobs" in merged:
             out["logprobs"] = merged["logprobs"]
         return out
-
-
-def generates(event: Any, shape: Shape) -> bool:
-    """Whether one decoded event of a stream of ``shape`` carries generated output: a
-    piece of text, reasoning or a tool call's arguments. llama-server sends one such
-    event per token it generated (measured on b10435: 10 for ``max_tokens: 10``, beside a
-    role, a finish and a ``[DONE]`` event), so their count is the tokens generated."""
-    if not isinstance(event, dict):
-        return False
-    if shape == "native":
-        return bool(event.get("content")) or bool(event.get("tokens"))
-    if shape == "responses":
-        kind = event.get("type")
-        return isinstance(kind, str) and kind.endswith(".delta")
-    for choice in event.get("choices") or ():
-        if not isinstance(choice, dict):
-            continue
-        if shape == "text":
-            if choice.get("text"):
-                return True
-            continue
-        delta = choice.get("delta")
-        if isinstance(delta, dict) and (
-            delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
-        ):
-            return True
-    return False
 
 
 def _timings_of(event: dict[str, Any]) -> dict[str, Any]:

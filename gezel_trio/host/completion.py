@@ -40,11 +40,11 @@ from typing import Any, Protocol
 import trio
 
 from ..config.schema import Config
-from ..engine.assemble import Shape, StreamAssembler, generates
+from ..engine.assemble import Shape, StreamAssembler
 from ..engine.client import UpstreamHead
-from ..engine.sse import DONE, SseDecoder
+from ..engine.sse import SseDecoder
 from ..engine.supervisor import EngineState
-from ..engine.usage import Counts, StreamTail, token_counts
+from ..engine.usage import Counts, StreamTail, generated_in, token_counts
 from ..errors import EngineAbandoned, EngineCrashed, EngineFailed, FieldError, GezelError
 from ..kv.prefix import Header
 from ..kv.sessions import session_hash
@@ -117,12 +117,13 @@ class Progress:
         none) the engine's first event."""
         return self.first_token_at if self.first_token_at is not None else self.first_event_at
 
-    def event(self, generated: bool) -> None:
-        """One event of the engine's answer came; ``generated``: it carries output."""
+    def add(self, chunk: bytes, shape: Shape) -> None:
+        """A chunk of the engine's answer (its SSE stream of ``shape``) came."""
         if self.first_event_at is None:
             self.first_event_at = time.perf_counter()
-        if generated:
-            self.tokens += 1
+        tokens = generated_in(chunk, shape)
+        if tokens > 0:
+            self.tokens += tokens
             if self.first_token_at is None:
                 self.first_token_at = time.perf_counter()
 
@@ -276,7 +277,6 @@ class StallGuard:
 
     __slots__ = (
         "_channel",
-        "_decoder",
         "_head",
         "_progress",
         "_shape",
@@ -298,7 +298,6 @@ class StallGuard:
         self._head: UpstreamHead | None = None
         self._progress = progress
         self._shape: Shape = shape
-        self._decoder = SseDecoder()
         self.events = 0
         """Chunks of the answer handed on so far (0: the client has none of it)."""
         self.tail = StreamTail()
@@ -332,10 +331,8 @@ class StallGuard:
         if not isinstance(value, UpstreamHead):
             self.events += 1
             self.tail.add(value)
-            progress = self._progress
-            if progress is not None and self.answered:
-                for event in _events(self._decoder, value):
-                    progress.event(generates(event, self._shape))
+            if self._progress is not None and self.answered:
+                self._progress.add(value, self._shape)
 
 
 @dataclass(slots=True)
@@ -653,9 +650,9 @@ class _Assembling:
         elif self.head is not None and self.head.status != 200:
             self.raw.append(value)
         else:
+            self.progress.add(value, self.shape)
             for event in self.decoder.feed(value):
                 self.events += 1
-                self.progress.event(generates(event, self.shape))
                 self.assembler.feed(event)
 
 
@@ -689,14 +686,3 @@ async def _assembled(
         content = json.dumps(assembler.error, ensure_ascii=False, separators=(",", ":")).encode()
         return EngineAnswer(status, "application/json; charset=utf-8", content)
     return assembler.result()
-
-
-def _events(decoder: SseDecoder, chunk: bytes) -> Iterator[Any]:
-    """The decoded events of a stream's next ``chunk`` (a payload that is not JSON is
-    skipped: counting is no reason to fail a stream)."""
-    for data in decoder.payloads(chunk):
-        if data and data != DONE and data.startswith(b"{"):
-            try:
-                yield json.loads(data)
-            except ValueError:
-                continue
