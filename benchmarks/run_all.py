@@ -89,6 +89,11 @@ BENCHES = (
         _module("engine_disconnect"),
         _module("engine_disconnect", "--repeats", "1"),
     ),
+    Bench(
+        "abandoned_requests",
+        _module("abandoned_requests"),
+        _module("abandoned_requests", "--rounds", "1"),
+    ),
     Bench("front_cost", _module("front_cost"), _module("front_cost", "--requests", "100")),
     Bench("python_calls", _module("python_calls"), _module("python_calls", "--requests", "50")),
     Bench(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
@@ -1024,12 +1025,21 @@ class ParkingFakeLane(FakeLane):
     def note_miss(self) -> None:
         self.misses += 1
 
-    async def park_slot(self, slot_id: int, session: str, blocks: Prefix = ()) -> int:
+    async def park_slot(
+        self, slot_id: int, session: str, blocks: Prefix = (), *, within: float = math.inf
+    ) -> int:
         self.parked[session] = self.slots[slot_id].kv
         await trio.sleep(self.park_time)
         return 100  # tokens saved
 
-    async def unpark_slot(self, slot_id: int, session: str, prefix: Prefix | None = None) -> int:
+    async def unpark_slot(
+        self,
+        slot_id: int,
+        session: str,
+        prefix: Prefix | None = None,
+        *,
+        within: float = math.inf,
+    ) -> int:
         if session not in self.parked:
             return 0
         self.slots[slot_id].kv = self.parked[session]

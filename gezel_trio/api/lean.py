@@ -13,7 +13,9 @@ shared functions:
   408) as Quart's, parsed by the route as before (:func:`.validation.read_json_object`);
 - errors: a project error is :func:`.errors.response_for`, a bug a logged 500;
 - CORS (:func:`.app.with_cors`), the request log and metrics
-  (:func:`.metrics_endpoint.record_answer`);
+  (:func:`.metrics_endpoint.record_answer`), and the record of a request whose client
+  left before its answer (:func:`.metrics_endpoint.record_unanswered`), here for both
+  fronts;
 - the walk-away: a client that disconnects cancels the request, as quart-trio does
   (the slot is released and the engine stops generating).
 """
@@ -39,8 +41,8 @@ from . import anthropic, native, openai, responses
 from .app import with_cors
 from .auth import NAMES_ATTR, authenticate
 from .errors import error_response, http_error_message, response_for, unexpected_error_response
-from .exchange import Exchange, LowerHeaders, open_exchange
-from .metrics_endpoint import record_answer
+from .exchange import Exchange, LowerHeaders, open_exchange, watch_exchanges
+from .metrics_endpoint import record_answer, record_unanswered
 
 __all__ = ["HOT_PATHS", "LeanFront", "LeanStatistics"]
 
@@ -100,17 +102,34 @@ class LeanFront:
             if route is not None:
                 await self._serve(route, scope, receive, send)
                 return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        with watch_exchanges() as opened:  # Quart opens them, in a task of its own
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                for exchange in opened:
+                    record_unanswered(exchange)
 
     async def _serve(
         self, route: Route, scope: HTTPScope, receive: ASGIReceive, send: ASGISend
     ) -> None:
         """Answer one request on a hot route. A client that disconnects cancels it (the
         route's slot and upstream request end with it); cancellation from outside (the
-        server's shutdown) propagates."""
+        server's shutdown) propagates. Either way the request is recorded."""
         self._served += 1
         headers = LowerHeaders.from_asgi(scope["headers"])
         exchange = open_exchange(Exchange(self.host, scope["path"], headers, self._names))
+        exchange.traced = True
+        try:
+            await self._serve_exchange(route, exchange, receive, send)
+        finally:
+            record_unanswered(exchange)
+
+    async def _serve_exchange(
+        self, route: Route, exchange: Exchange, receive: ASGIReceive, send: ASGISend
+    ) -> None:
         resp = authenticate(exchange, "POST")
         try:
             if resp is None:

@@ -1,12 +1,15 @@
 """``GET /metrics`` and the per-request instrumentation that feeds it.
 
 Every request to a model endpoint (the blueprints of each dialect) is
-recorded once, when its answer ends: model, HTTP status,
-duration, time to first byte for streams, and the token counts the engine
-reported (``usage``, else ``timings``). Routes name the model with
-:func:`resolve_model`; a request whose model never resolved (404, 400 before
-routing) is recorded under the model label ``(unresolved)``, so a client
-cannot grow the label set with made-up names.
+recorded once, when its answer ends: model, HTTP status, duration, time to the
+engine's first token (never a keep-alive the host sent while the prompt was
+processed), and the token counts the engine reported (``usage``, else
+``timings``). A request whose client left is recorded too, as 499 (client closed),
+with the slot it held and the tokens generated before it stopped: by its stream's
+end, or by its front once the request's task is over (:func:`record_unanswered`).
+Routes name the model with :func:`resolve_model`; a request whose model never
+resolved (404, 400 before routing) is recorded under the model label
+``(unresolved)``, so a client cannot grow the label set with made-up names.
 
 A streamed answer is recorded when its body ends (finished, failed or the
 client went away), from a wrapper around the response body: nothing is
@@ -31,7 +34,7 @@ from ..errors import GezelError
 from ..host import Host, ModelRuntime
 from ..host.activity import Activity, RequestEvent
 from ..host.metrics import CONTENT_TYPE, Metrics
-from .exchange import UNRESOLVED, Exchange, current_exchange
+from .exchange import UNRESOLVED, Exchange, current_exchange, exchange_or_none
 
 bp = Blueprint("metrics", __name__)
 request_log = logging.getLogger("gezel_trio.requests")
@@ -65,10 +68,22 @@ def resolve_model(host: Host, model: object, *, session: str | None = None) -> M
     return runtime
 
 
+CLIENT_CLOSED = 499
+"""The status a request is recorded with when it ended because its client left (nginx's
+"client closed request"): queued, generating, or amid its stream."""
+
+
 def install_metrics(app: QuartTrio, metrics: Metrics) -> None:
     """Record every model-endpoint request of ``app`` in ``metrics`` and serve ``/metrics``."""
     app.config["GEZEL_METRICS"] = metrics
     app.register_blueprint(bp)
+
+    @app.before_request
+    async def _trace() -> None:
+        if request.blueprint in INSTRUMENTED_BLUEPRINTS:
+            exchange = exchange_or_none()
+            if exchange is not None:
+                exchange.traced = True
 
     @app.after_request
     async def _record(resp: Response) -> Response:
@@ -80,18 +95,14 @@ def install_metrics(app: QuartTrio, metrics: Metrics) -> None:
 async def record_answer(exchange: Exchange, resp: Response, metrics: Metrics) -> Response:
     """Record a model request's answer (either front's) in ``metrics``, the request log
     and the activity feed: a whole answer now, a streamed one when its body ends (the
-    response returned wraps its body for that)."""
+    response returned wraps its body for that; a stream whose client left is recorded
+    as :data:`CLIENT_CLOSED`). A request that never gets this far (its client left while
+    it was queued or generating) is recorded by its front (:func:`record_unanswered`)."""
+    exchange.traced = True
     status = resp.status_code
     body = resp.response
-    activity = exchange.host.activity
-    t0 = exchange.t0
     if isinstance(body, IterableBody):
-        # the relay's own dict: a stream that waited fills it in as its body ends
-        fields = exchange.log
-        fields.setdefault("path", exchange.path)
-        resp.response = IterableBody(
-            _observed_stream(metrics, body, exchange.model, status, t0, fields, activity)
-        )
+        resp.response = IterableBody(_observed_stream(exchange, metrics, body, status))
         return resp
     counts = exchange.counts or (None, None, None)
     if counts[0] is None and status == 200 and (resp.content_length or 0) <= _MAX_PARSE_BYTES:
@@ -101,29 +112,64 @@ async def record_answer(exchange: Exchange, resp: Response, metrics: Metrics) ->
                 counts = token_counts(json.loads(await resp.get_data(as_text=False)))
             except ValueError:
                 pass
-    duration = time.perf_counter() - t0
-    # a non-streamed completion is streamed from the engine: the relay noted when
-    # its first event came
-    first = exchange.first_event_at
-    ttft = None if first is None else first - t0
-    metrics.request_done(exchange.model, status, duration, ttft, *counts)
-    fields = {"path": exchange.path, **exchange.log}
-    log_request(exchange.model, status, duration, ttft, counts, fields, activity)
+    record_exchange(exchange, metrics, status, counts)
     return resp
 
 
-async def _observed_stream(
+def record_unanswered(exchange: Exchange) -> None:
+    """Record a model request that ended without its answer being recorded, as
+    :data:`CLIENT_CLOSED`: its client left while it was queued (no slot) or generating
+    (the slot it held and the tokens generated so far are in its line), or before its
+    answer's body started. Its front calls this once the request's task is over, cancelled
+    or not; it is synchronous, so cancellation cannot cut it. A no-op for a request that
+    is no model request or was recorded already."""
+    if exchange.traced and not exchange.recorded:
+        record_exchange(exchange, exchange.host.metrics, CLIENT_CLOSED, (None, None, None))
+
+
+def record_exchange(
+    exchange: Exchange,
     metrics: Metrics,
-    body: IterableBody,
-    model: str,
     status: int,
-    t0: float,
-    fields: dict[str, Any],
-    activity: Activity,
+    counts: Counts,
+    first_at: float | None = None,
+) -> None:
+    """Record ``exchange`` once (later calls do nothing): one sample in ``metrics``, one
+    request-log line, one activity row. The time to first token is the engine's first
+    generated token (its completion's progress; ``first_at``, the first byte, only for a
+    request with no completion behind it); a completion cut
+    short counts the tokens generated before it stopped. Synchronous."""
+    if exchange.recorded:
+        return
+    exchange.recorded = True
+    progress = exchange.progress
+    fields: dict[str, Any] = {"path": exchange.path, **exchange.log}
+    if progress is not None:
+        first_at = progress.ttft_at  # the engine's, never a keep-alive's
+        if counts[2] is None and (progress.tokens or status == CLIENT_CLOSED):
+            counts = (counts[0], counts[1], progress.tokens)
+        grant = progress.grant
+        if grant is not None:
+            fields["slot"] = grant.slot_id
+            fields["queue_wait_ms"] = round(grant.queue_wait_s * 1000, 2)
+            fields["prepare_calls"] = grant.prepare_calls
+    t0 = exchange.t0
+    duration = time.perf_counter() - t0
+    ttft = None if first_at is None else first_at - t0
+    metrics.request_done(exchange.model, status, duration, ttft, *counts)
+    log_request(exchange.model, status, duration, ttft, counts, fields, exchange.host.activity)
+
+
+async def _observed_stream(
+    exchange: Exchange, metrics: Metrics, body: IterableBody, status: int
 ) -> AsyncIterator[bytes]:
+    """``body``'s chunks, passed on; the request is recorded when they end (a stream that
+    did not reach its end, or that the relay ended because its client stopped reading,
+    as :data:`CLIENT_CLOSED`)."""
     first: float | None = None
     recent: collections.deque[bytes] = collections.deque()
     held = 0
+    ended = False
     try:
         async with body as chunks:
             async for chunk in chunks:
@@ -135,15 +181,14 @@ async def _observed_stream(
                     while held - len(recent[0]) >= TAIL_BYTES:
                         held -= len(recent.popleft())
                 yield chunk
+        ended = True
     finally:
-        ttft = None if first is None else first - t0
-        duration = time.perf_counter() - t0
-        read = fields.get("counts")
+        read = exchange.log.get("counts")
         counts = read() if callable(read) else None
         if counts is None:
             counts = tail_counts(b"".join(recent)[-TAIL_BYTES:])
-        metrics.request_done(model, status, duration, ttft, *counts)
-        log_request(model, status, duration, ttft, counts, fields, activity)
+        left = not ended or exchange.client_left
+        record_exchange(exchange, metrics, CLIENT_CLOSED if left else status, counts, first)
 
 
 def log_request(

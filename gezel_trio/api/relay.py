@@ -8,7 +8,10 @@ shape) to :func:`proxy_completion`. The host's completion service
 the first byte, and assembles a non-streamed answer; this module turns what comes
 back into the client's response: the status, the body or the stream, the dialect's
 keep-alive while a stream waits for its slot, and what the request log and metrics
-need to know (the grant, the token counts, the first event's time).
+need to know: the session, the token counts, and the completion's progress (its grant,
+its first token, the tokens generated so far), which they read when the request ends,
+answered or not. A keep-alive is never a first token: the time to first token is the
+engine's.
 
 Streaming: the job runs in the host's nursery and pushes the engine's head and raw
 chunks into a small channel that the response body reads. A client that
@@ -35,7 +38,7 @@ from ..engine.sse import data_payloads
 from ..errors import EngineCrashed, EngineFailed, GezelError
 from ..front_guard import call_when_client_leaves
 from ..host import Host, ModelRuntime
-from ..host.completion import Completion, EngineAnswer, Item, Owner, StreamJob
+from ..host.completion import Completion, EngineAnswer, Item, Owner, Progress, StreamJob
 from ..kv.sessions import session_hash
 from ..scheduler import Grant
 from .errors import response_for
@@ -250,12 +253,12 @@ async def proxy_completion(
     ``owner`` through the host's completion service, and answer in ``shaper``'s shape.
     Cancellation (the client left) exits the slot and closes the upstream request: the
     engine stops generating."""
+    exchange = current_exchange()
+    exchange.log = _log_fields(owner.session)
     if completion.stream:
         return await _stream(host, runtime, completion, owner, shaper)
-    answer = await host.completions.complete(runtime, completion, owner)
-    _note_for_log(owner.session, answer.grant)
-    exchange = current_exchange()
-    exchange.first_event_at = answer.first_event_at  # its TTFT
+    exchange.progress = progress = Progress()  # read by the request's record, even if cut
+    answer = await host.completions.complete(runtime, completion, owner, progress)
     result = answer.result
     if isinstance(result, EngineAnswer):
         return shaper.failure(result.status, result.content_type, result.content)
@@ -286,6 +289,8 @@ async def _stream(
     ends (the stream ended, or the client left) and, read or not, when its client
     closes the connection (:func:`_end_when_client_leaves`)."""
     job = host.completions.start_stream(runtime, completion, owner)
+    exchange = current_exchange()
+    exchange.progress = job.progress
     _end_when_client_leaves(job)
     handed_off = False
     try:
@@ -296,7 +301,6 @@ async def _stream(
                 first = await job.recv.receive()
             except trio.EndOfChannel:
                 err = job.error or EngineCrashed("the engine closed the stream before answering")
-                _note_for_log(job.session, job.grant)
                 return response_for(err)
         if first is None:
             # Still queued or loading: commit to a 200 stream and keep the client (and
@@ -304,14 +308,12 @@ async def _stream(
             handed_off = True
             return _waiting_stream(host, job, shaper)
         if isinstance(first, GezelError):  # the job failed before the engine answered
-            _note_for_log(job.session, job.grant)
             return response_for(first)
         if isinstance(first, bytes):  # pragma: no cover - the head always comes first
             raise EngineCrashed("the engine sent a body before its head")
         head = first
         if head.status != 200:
             chunks = [c async for c in job.recv if isinstance(c, bytes)]
-            _note_for_log(job.session, job.grant)
             return shaper.failure(head.status, head.content_type, b"".join(chunks))
 
         async def body_iter() -> AsyncGenerator[bytes, None]:
@@ -322,8 +324,9 @@ async def _stream(
                         yield item
             finally:
                 job.scope.cancel()
+                exchange.client_left = job.client_left
 
-        _note_for_log(job.session, job.grant, shaper)
+        exchange.log["counts"] = shaper.counts  # a stream's tokens, once the shaper read them
         resp = Response(
             _JobBody(job, body_iter()),
             status=200,
@@ -469,11 +472,10 @@ def _waiting_stream(host: Host, job: StreamJob, shaper: Shaper) -> Response:
                     yield item
         finally:
             job.scope.cancel()
-            # the request's log line is written after the body: give it the grant now
-            fields.update(_log_fields(job.session, job.grant, shaper))
+            exchange.client_left = job.client_left
 
-    fields = _log_fields(job.session, None, shaper)
-    current_exchange().log = fields
+    exchange = current_exchange()
+    exchange.log["counts"] = shaper.counts
     resp = Response(
         _JobBody(job, body_iter()),
         status=200,
@@ -485,26 +487,7 @@ def _waiting_stream(host: Host, job: StreamJob, shaper: Shaper) -> Response:
     return resp
 
 
-def _note_for_log(
-    session: str | None,
-    grant: Grant | None,
-    shaper: Shaper | None = None,
-) -> None:
-    """Hand the request log line what only the relay knows (see metrics_endpoint.log_request)."""
-    current_exchange().log = _log_fields(session, grant, shaper)
-
-
-def _log_fields(
-    session: str | None,
-    grant: Grant | None,
-    shaper: Shaper | None = None,
-) -> dict[str, Any]:
-    fields: dict[str, Any] = {
-        "session": session_hash(session),
-        "slot": grant.slot_id if grant else None,
-        "queue_wait_ms": round(grant.queue_wait_s * 1000, 2) if grant else None,
-        "prepare_calls": grant.prepare_calls if grant else None,
-    }
-    if shaper is not None:
-        fields["counts"] = shaper.counts  # a stream's tokens, once the shaper read them
-    return fields
+def _log_fields(session: str | None) -> dict[str, Any]:
+    """What the request log line gets from the relay itself (see
+    :func:`~.metrics_endpoint.record_exchange`, which adds the grant's slot and wait)."""
+    return {"session": session_hash(session)}

@@ -3,17 +3,21 @@
 llama-server says them in OpenAI ``usage`` (a chat's, or a Responses answer's) and
 in its own ``timings``; a stream says them in its last events. :func:`token_counts`
 reads one answer or event, :func:`tail_counts` the tail of a stream, and
-:class:`StreamTail` keeps that tail while a stream passes. No I/O here.
+:class:`StreamTail` keeps that tail while a stream passes; :func:`generated_in` counts
+the tokens of a stream as it passes, for one cut before its counts came. No I/O here.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .sse import data_payloads
 
-__all__ = ["TAIL_BYTES", "Counts", "StreamTail", "tail_counts", "token_counts"]
+if TYPE_CHECKING:
+    from .assemble import Shape
+
+__all__ = ["TAIL_BYTES", "Counts", "StreamTail", "generated_in", "tail_counts", "token_counts"]
 
 Counts = tuple[int | None, int | None, int | None]
 """(prompt, cached, completion) tokens; None where the engine did not say."""
@@ -116,3 +120,30 @@ class StreamTail:
 
     def counts(self) -> Counts:
         return tail_counts(b"".join(self._chunks)[-TAIL_BYTES:])
+
+
+_GENERATED: dict[str, tuple[tuple[bytes, bytes], ...]] = {
+    "chat": (
+        (b'"content":"', b'"content":""'),
+        (b'"reasoning_content":"', b'"reasoning_content":""'),
+        (b'"tool_calls":[', b"\x00"),
+    ),
+    "text": ((b'"text":"', b'"text":""'),),
+    "native": ((b'"content":"', b'"content":""'),),
+    "responses": ((b'.delta"', b"\x00"),),
+}
+
+
+def generated_in(chunk: bytes, shape: Shape) -> int:
+    """The generated tokens in ``chunk``, raw bytes of an engine's SSE stream of ``shape``:
+    its events that carry a piece of output (a chat delta's non-empty ``content``,
+    ``reasoning_content`` or ``tool_calls``; a text choice's ``text``; a native event's
+    ``content``; a Responses ``*.delta`` event). llama-server sends one such event per
+    token (measured on b10435: 10 for ``max_tokens: 10``, beside a role, a finish and a
+    ``[DONE]`` event). Read from the bytes, without decoding the JSON (a key and its
+    opening quote cannot occur unescaped inside a JSON string); an event split across
+    two chunks may go uncounted."""
+    n = 0
+    for marker, empty in _GENERATED[shape]:
+        n += chunk.count(marker) - chunk.count(empty)
+    return n

@@ -44,7 +44,7 @@ from ..engine.assemble import Shape, StreamAssembler
 from ..engine.client import UpstreamHead
 from ..engine.sse import SseDecoder
 from ..engine.supervisor import EngineState
-from ..engine.usage import Counts, StreamTail, token_counts
+from ..engine.usage import Counts, StreamTail, generated_in, token_counts
 from ..errors import EngineAbandoned, EngineCrashed, EngineFailed, FieldError, GezelError
 from ..kv.prefix import Header
 from ..kv.sessions import session_hash
@@ -62,6 +62,7 @@ __all__ = [
     "EngineAnswer",
     "Item",
     "Owner",
+    "Progress",
     "StreamJob",
     "prompt_blocks",
     "upstream_body",
@@ -97,6 +98,36 @@ class Completion:
     keep_tokens: bool = False
 
 
+@dataclass(slots=True)
+class Progress:
+    """How far a completion has got, kept up to date while it runs, so that whoever
+    started it knows even when it never returns (its client left): the grant of the
+    slot it holds (None: still queued), when the engine's first event and first
+    generated token came (``time.perf_counter``), and the tokens generated so far
+    (events that carry generated output: llama-server sends one per token)."""
+
+    grant: Grant | None = None
+    first_event_at: float | None = None
+    first_token_at: float | None = None
+    tokens: int = 0
+
+    @property
+    def ttft_at(self) -> float | None:
+        """When the first token came: the first generated output, else (an answer with
+        none) the engine's first event."""
+        return self.first_token_at if self.first_token_at is not None else self.first_event_at
+
+    def add(self, chunk: bytes, shape: Shape) -> None:
+        """A chunk of the engine's answer (its SSE stream of ``shape``) came."""
+        if self.first_event_at is None:
+            self.first_event_at = time.perf_counter()
+        tokens = generated_in(chunk, shape)
+        if tokens > 0:
+            self.tokens += tokens
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+
+
 @dataclass(frozen=True, slots=True)
 class EngineAnswer:
     """An answer the engine gave instead of a completion: its status and body."""
@@ -109,12 +140,11 @@ class EngineAnswer:
 @dataclass(frozen=True, slots=True)
 class Answer:
     """A non-streamed completion: the engine's answer assembled and parsed once (or its
-    own error answer), the member and grant it ran on, and when its first event came."""
+    own error answer), the member and grant it ran on."""
 
     result: dict[str, Any] | EngineAnswer
     runtime: ModelRuntime
     grant: Grant
-    first_event_at: float | None
     counts: Counts
     """The answer's (prompt, cached, completion) tokens, read once (all None for an
     engine's error answer)."""
@@ -245,12 +275,29 @@ class StallGuard:
     event brings a second one, which is dropped when it is a 200 like the first (the
     client goes on reading the same response) and is an error otherwise."""
 
-    __slots__ = ("_channel", "_head", "_stall_s", "events", "tail")
+    __slots__ = (
+        "_channel",
+        "_head",
+        "_progress",
+        "_shape",
+        "_stall_s",
+        "events",
+        "tail",
+    )
 
-    def __init__(self, channel: trio.MemorySendChannel[Item], stall_s: float):
+    def __init__(
+        self,
+        channel: trio.MemorySendChannel[Item],
+        stall_s: float,
+        *,
+        progress: Progress | None = None,
+        shape: Shape = "chat",
+    ):
         self._channel = channel
         self._stall_s = stall_s
         self._head: UpstreamHead | None = None
+        self._progress = progress
+        self._shape: Shape = shape
         self.events = 0
         """Chunks of the answer handed on so far (0: the client has none of it)."""
         self.tail = StreamTail()
@@ -284,6 +331,8 @@ class StallGuard:
         if not isinstance(value, UpstreamHead):
             self.events += 1
             self.tail.add(value)
+            if self._progress is not None and self.answered:
+                self._progress.add(value, self._shape)
 
 
 @dataclass(slots=True)
@@ -291,21 +340,28 @@ class StreamJob:
     """A streamed completion running in a task of the host's nursery.
 
     ``recv`` yields the engine's head, then its raw chunks, then at most one
-    :class:`GezelError`; it ends when the job ends. ``grant``, ``runtime`` and
-    ``error`` say where it ran and how it failed (``grant`` is None until granted).
-    Cancelling ``scope`` (the client left, or never started reading) ends the job:
-    the slot, lease and upstream connection are released by its scope exits."""
+    :class:`GezelError`; it ends when the job ends. ``progress``, ``runtime`` and
+    ``error`` say how far it got, where it ran and how it failed; ``client_left``
+    that it ended because its reader went away or stopped reading. Cancelling
+    ``scope`` (the client left, or never started reading) ends the job: the slot,
+    lease and upstream connection are released by its scope exits."""
 
     recv: trio.MemoryReceiveChannel[Item]
     scope: trio.CancelScope
     runtime: ModelRuntime
     session: str | None
-    grant: Grant | None = None
+    progress: Progress = field(default_factory=Progress)
     error: GezelError | None = None
+    client_left: bool = False
     reading: trio.Event = field(default_factory=trio.Event)
     """Set by the reader once it starts reading (see :meth:`CompletionService.expect_reader`)."""
     on_end: Callable[[], object] | None = None
     """Called once the job has ended (its task's last step)."""
+
+    @property
+    def grant(self) -> Grant | None:
+        """The grant of the slot it holds (None until granted)."""
+        return self.progress.grant
 
     def cancel(self) -> None:
         """End the job (its channel too), whatever it is doing."""
@@ -378,8 +434,15 @@ class CompletionService:
 
     # ------------------------------------------------------------------ not streamed
 
-    async def complete(self, runtime: ModelRuntime, completion: Completion, owner: Owner) -> Answer:
-        """Run ``completion`` for ``owner`` and return the engine's whole answer.
+    async def complete(
+        self,
+        runtime: ModelRuntime,
+        completion: Completion,
+        owner: Owner,
+        progress: Progress | None = None,
+    ) -> Answer:
+        """Run ``completion`` for ``owner`` and return the engine's whole answer; how far
+        it got is kept in ``progress`` as it goes (the caller reads it when cancelled).
 
         It is streamed from the engine and assembled here, so a client that walks
         away (the caller is cancelled) stops generation at once. When the engine dies
@@ -391,10 +454,13 @@ class CompletionService:
         request."""
         self.check_limits(runtime, completion.body)
         prefix = prompt_blocks(completion.body)
+        if progress is None:
+            progress = Progress()
         for attempt in (1, 2):
             try:
                 async with self._slot(runtime, owner, prefix) as (runtime, grant):
-                    result, first = await _assembled(runtime, completion, grant)
+                    progress.grant = grant
+                    result = await _assembled(runtime, completion, grant, progress)
                 break
             except (_NothingGenerated, EngineAbandoned):
                 # nothing of the answer reached the client: it may go elsewhere
@@ -410,7 +476,7 @@ class CompletionService:
         if not isinstance(result, EngineAnswer):
             counts = token_counts(result)
             _verify_restore(runtime, grant, counts)
-        return Answer(result, runtime, grant, first, counts)
+        return Answer(result, runtime, grant, counts)
 
     # ------------------------------------------------------------------ streamed
 
@@ -428,8 +494,13 @@ class CompletionService:
         self.check_limits(runtime, completion.body)
         prefix = prompt_blocks(completion.body)
         send, recv = trio.open_memory_channel[Item](32)
-        guarded = StallGuard(send, self._host.config.server.stream_stall_timeout)
         job = StreamJob(recv, trio.CancelScope(), runtime, owner.session)
+        guarded = StallGuard(
+            send,
+            self._host.config.server.stream_stall_timeout,
+            progress=job.progress,
+            shape=completion.shape,
+        )
 
         async def run() -> None:
             try:
@@ -443,6 +514,7 @@ class CompletionService:
                             job.error = exc
                         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                             # the client went away mid-stream (or stopped reading)
+                            job.client_left = True
                             log.info(
                                 "client left mid-stream",
                                 extra={
@@ -503,10 +575,10 @@ class CompletionService:
         verifies a KV restore with the counts of its last events. Raises the project's
         errors; cancellation exits the slot and closes the upstream stream."""
         for attempt in (1, 2):
-            job.grant = None
+            job.progress.grant = None
             try:
                 async with self._slot(runtime, owner, prefix) as (member, grant):
-                    job.grant, job.runtime = grant, member
+                    job.progress.grant, job.runtime = grant, member
                     await member.client.stream(
                         completion.path,
                         upstream_body(completion.body, grant),
@@ -561,14 +633,15 @@ class _Assembling:
     engine's head, then its chunks decoded and merged as they come, in the task that
     reads the stream (no task or channel between them)."""
 
-    __slots__ = ("assembler", "decoder", "events", "first", "head", "raw")
+    __slots__ = ("assembler", "decoder", "events", "head", "progress", "raw", "shape")
 
-    def __init__(self, completion: Completion) -> None:
+    def __init__(self, completion: Completion, progress: Progress) -> None:
         self.assembler = StreamAssembler(completion.shape, keep_tokens=completion.keep_tokens)
+        self.shape: Shape = completion.shape
         self.decoder = SseDecoder()
         self.head: UpstreamHead | None = None
         self.raw: list[bytes] = []
-        self.first: float | None = None
+        self.progress = progress
         self.events = 0
 
     async def send(self, value: UpstreamHead | bytes, /) -> None:
@@ -577,39 +650,39 @@ class _Assembling:
         elif self.head is not None and self.head.status != 200:
             self.raw.append(value)
         else:
+            self.progress.add(value, self.shape)
             for event in self.decoder.feed(value):
-                if not self.events:
-                    self.first = time.perf_counter()
                 self.events += 1
                 self.assembler.feed(event)
 
 
 async def _assembled(
-    runtime: ModelRuntime, completion: Completion, grant: Grant
-) -> tuple[dict[str, Any] | EngineAnswer, float | None]:
+    runtime: ModelRuntime, completion: Completion, grant: Grant, progress: Progress
+) -> dict[str, Any] | EngineAnswer:
     """Send ``completion`` on ``grant``'s slot as a stream and assemble the non-streamed
-    answer, parsed once, with the time its first event came. An engine error before
-    the stream is relayed as it came; an error event amid it becomes that error's
-    status. Cancellation closes the stream, which stops the engine on its next write."""
+    answer, parsed once; ``progress`` counts its events as they come. An engine error
+    before the stream is relayed as it came; an error event amid it becomes that
+    error's status. Cancellation closes the stream, which stops the engine on its next
+    write."""
     streamed = {**upstream_body(completion.body, grant), "stream": True}
     if completion.shape in ("chat", "text"):
         streamed["stream_options"] = {"include_usage": True}
-    sink = _Assembling(completion)
+    sink = _Assembling(completion, progress)
     try:
         await runtime.client.stream(completion.path, streamed, sink, slot=grant.slot_id)
     except EngineCrashed as exc:
         if sink.events == 0 and not isinstance(exc, _NothingGenerated):
             raise _NothingGenerated(exc.message) from exc
         raise
-    head, first, assembler = sink.head, sink.first, sink.assembler
+    head, assembler = sink.head, sink.assembler
     if head is None:  # pragma: no cover - the stream raised before its head
         raise EngineCrashed("the engine closed the stream before answering")
     if head.status != 200:
-        return EngineAnswer(head.status, head.content_type, b"".join(sink.raw)), first
+        return EngineAnswer(head.status, head.content_type, b"".join(sink.raw))
     if assembler.error is not None:
         error = assembler.error.get("error")
         code = error.get("code") if isinstance(error, dict) else None
         status = code if isinstance(code, int) and 400 <= code < 600 else 500
         content = json.dumps(assembler.error, ensure_ascii=False, separators=(",", ":")).encode()
-        return EngineAnswer(status, "application/json; charset=utf-8", content), first
-    return assembler.result(), first
+        return EngineAnswer(status, "application/json; charset=utf-8", content)
+    return assembler.result()

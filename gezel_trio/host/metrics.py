@@ -69,7 +69,7 @@ class Metrics:
         )
         self.ttft = Histogram(
             "gezel_ttft_seconds",
-            "Time to first token: from the request's arrival to the first streamed byte.",
+            "Time to first token: from the request's arrival to the engine's first token.",
             ("model",),
             buckets=TTFT_BUCKETS,
             registry=r,
@@ -441,7 +441,11 @@ _KV_COUNTERS = (
     ("dropped_incompatible", "dropped_incompatible", "Parked files dropped as incompatible."),
     ("evicted", "evicted", "Parked files evicted by the byte budget."),
     ("saves", "saves", "KV saves."),
+    ("save_failures", "save_failures", "KV saves that failed (logged with their reason)."),
+    ("save_cancelled", "saves_cancelled", "KV saves cut short by a cancellation (no failure)."),
     ("restores", "restores", "KV restores the engine acknowledged in full."),
+    ("restore_failures", "restore_failures", "KV restores the engine did not answer in time."),
+    ("restore_cancelled", "restores_cancelled", "KV restores cut short by a cancellation."),
 )
 
 

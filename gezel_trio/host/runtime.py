@@ -16,6 +16,7 @@ before the engine does: the engine's argv builder and reservation
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, asynccontextmanager
@@ -34,6 +35,7 @@ from ..errors import EngineFailed, FieldError, GezelError
 from ..gpu.arbiter import GpuArbiter
 from ..gpu.placement import Placement
 from ..kv.prefix import Prefix
+from ..kv.sessions import session_hash
 from ..kv.store import KvCompat, KvEntry, KvModelStats, KvStore, file_identity
 from ..scheduler.jobs import SlotMeasurement
 from .calibration import CalibrationState
@@ -361,64 +363,101 @@ class ModelRuntime:
         if self.kv is not None:
             self.kv_stats.misses += 1
 
-    async def park_slot(self, slot_id: int, session: str, blocks: Prefix = ()) -> int:
+    async def park_slot(
+        self, slot_id: int, session: str, blocks: Prefix = (), *, within: float = math.inf
+    ) -> int:
         """Save ``session``'s KV from ``slot_id`` into the store as a copy of ``blocks``
         (a new file; the session's copies it continues are deleted once the index points
         at this one, see :meth:`KvStore.put`): the tokens saved, 0 when the slot held
         none (nothing is kept).
 
-        Raises on failure (the caller then erases instead). Cancellation leaves the
-        index as it was; a file the engine wrote meanwhile is deleted.
+        Raises on failure (the caller then erases instead): the engine's error, or
+        EngineFailed when the save took longer than ``within`` seconds; a failure is counted
+        (``save_failures``) and logged with its reason. Cancellation (the request's
+        client left, a shutdown) is no failure: it is counted in ``save_cancelled`` and
+        logged at debug level; it leaves the index as it was, and a file the engine
+        wrote meanwhile is deleted.
         """
         kv = self.kv
         if kv is None:
             raise EngineFailed(f"KV parking is off for {self.id!r}")
         stats = self.kv_stats
         name = kv.new_file_name(session)
-        t0 = time.perf_counter()
         try:
-            body = await self.client.slot_action(slot_id, "save", filename=name)
-            tokens, size = body.get("n_saved"), body.get("n_written")
-            if not isinstance(tokens, int) or not isinstance(size, int):
-                raise EngineFailed(f"save of slot {slot_id} answered without n_saved/n_written")
-            if tokens <= 0:
-                return 0  # nothing to keep: the slot is empty
-            now = time.time()
-            await kv.put(
-                KvEntry(
-                    model=self.id,
-                    session=session,
-                    caller=kv.caller_of(session),
-                    file=name,
-                    compat=self.kv_compat(),
-                    tokens=tokens,
-                    bytes=size,
-                    saved_at=now,
-                    used_at=now,
-                    blocks=tuple(blocks),
-                )
-            )
-            stats.saves += 1
-            stats.saved_tokens += tokens
-            stats.save_ms += (time.perf_counter() - t0) * 1000
-            if self.metrics is not None:
-                self.metrics.kv_park(self.id, "save", time.perf_counter() - t0)
-            return tokens
-        except BaseException:
+            with trio.move_on_after(within):
+                return await self._save(kv, slot_id, session, blocks, name)
+            raise EngineFailed(f"the engine did not save slot {slot_id} within {within:g}s")
+        except trio.Cancelled:
+            stats.save_cancelled += 1
+            log.debug("KV save of %s slot %d cancelled: not a failure", self.id, slot_id)
+            raise
+        except Exception as exc:
             stats.save_failures += 1
+            log.warning(
+                "KV save of %s slot %d failed: %s",
+                self.id,
+                slot_id,
+                _reason(exc),
+                extra={"fields": {"session": session_hash(session)}},
+            )
             raise
         finally:
             if not kv.has_file(self.id, name):
                 kv.discard_file(self.id, name)
 
-    async def unpark_slot(self, slot_id: int, session: str, prefix: Prefix | None = None) -> int:
+    async def _save(
+        self, kv: KvStore, slot_id: int, session: str, blocks: Prefix, name: str
+    ) -> int:
+        """The I/O of :meth:`park_slot`: the engine's save, then the index's entry."""
+        stats = self.kv_stats
+        t0 = time.perf_counter()
+        body = await self.client.slot_action(slot_id, "save", filename=name)
+        tokens, size = body.get("n_saved"), body.get("n_written")
+        if not isinstance(tokens, int) or not isinstance(size, int):
+            raise EngineFailed(f"save of slot {slot_id} answered without n_saved/n_written")
+        if tokens <= 0:
+            return 0  # nothing to keep: the slot is empty
+        now = time.time()
+        await kv.put(
+            KvEntry(
+                model=self.id,
+                session=session,
+                caller=kv.caller_of(session),
+                file=name,
+                compat=self.kv_compat(),
+                tokens=tokens,
+                bytes=size,
+                saved_at=now,
+                used_at=now,
+                blocks=tuple(blocks),
+            )
+        )
+        stats.saves += 1
+        stats.saved_tokens += tokens
+        stats.save_ms += (time.perf_counter() - t0) * 1000
+        if self.metrics is not None:
+            self.metrics.kv_park(self.id, "save", time.perf_counter() - t0)
+        return tokens
+
+    async def unpark_slot(
+        self,
+        slot_id: int,
+        session: str,
+        prefix: Prefix | None = None,
+        *,
+        within: float = math.inf,
+    ) -> int:
         """Restore ``session``'s parked copy for a request of ``prefix`` blocks (the one
         :meth:`parked_blocks` names) into ``slot_id``; the tokens restored, 0 when
         nothing was (none parked, or the restore did not take: counted, and dropped).
 
         A restore replaces the slot's whole content, so it also isolates the slot
-        from its previous owner. Raises on an engine error (the entry is dropped).
-        Cancellation leaves the entry; the slot is then unknown to the caller.
+        from its previous owner. Raises on an engine error (the entry is dropped, the
+        restore counted as not taking) and EngineFailed when the engine did not answer
+        within ``within`` seconds (``restore_failures``; the entry stays); both are logged with
+        their reason. Cancellation (the client left, a shutdown) is no failure: counted
+        in ``restore_cancelled``, logged at debug level; it leaves the entry, and the
+        slot is then unknown to the caller.
         """
         kv = self.kv
         if kv is None or self.engine.base_url is None or not self.parking_enabled:
@@ -429,11 +468,25 @@ class ModelRuntime:
         stats = self.kv_stats
         t0 = time.perf_counter()
         try:
-            body = await self.client.slot_action(slot_id, "restore", filename=entry.file)
-        except EngineFailed:
+            with trio.move_on_after(within) as deadline:
+                body = await self.client.slot_action(slot_id, "restore", filename=entry.file)
+        except trio.Cancelled:
+            stats.restore_cancelled += 1
+            log.debug("KV restore of %s slot %d cancelled: not a failure", self.id, slot_id)
+            raise
+        except EngineFailed as exc:
+            log.warning("KV restore of %s slot %d failed: %s", self.id, slot_id, _reason(exc))
             stats.ineffective += 1
             await kv.drop([entry])
             raise
+        except Exception as exc:  # the engine went away meanwhile
+            log.warning("KV restore of %s slot %d failed: %s", self.id, slot_id, _reason(exc))
+            raise
+        if deadline.cancelled_caught:
+            stats.restore_failures += 1
+            why = f"the engine did not restore slot {slot_id} within {within:g}s"
+            log.warning("KV restore of %s slot %d failed: %s", self.id, slot_id, why)
+            raise EngineFailed(why)
         restored = body.get("n_restored")
         if not isinstance(restored, int) or restored != entry.tokens:
             # A restore that did not bring back what was parked is not a hit.
@@ -503,3 +556,8 @@ class ModelRuntime:
             upstream_calls=dict(self.client.calls),
             replica_of=self.config.replica_of,
         )
+
+
+def _reason(exc: BaseException) -> str:
+    """Why a KV save or restore failed, for its log line."""
+    return str(exc) or type(exc).__name__

@@ -204,9 +204,18 @@ class KvModelStats:
 
     saves: int = 0
     save_failures: int = 0
+    """Saves that failed (an engine error, or no answer within ``park_timeout``)."""
+    save_cancelled: int = 0
+    """Saves cut short by a cancellation (the request's client left, a shutdown): no
+    failure."""
     save_ms: float = 0.0
     saved_tokens: int = 0
     restores: int = 0
+    restore_failures: int = 0
+    """Restores the engine did not answer within ``park_timeout`` (an engine error is
+    counted in ``ineffective``)."""
+    restore_cancelled: int = 0
+    """Restores cut short by a cancellation: no failure."""
     restore_ms: float = 0.0
     restored_tokens: int = 0
     hits: int = 0
@@ -237,9 +246,12 @@ class KvParkingStats:
     bytes: int
     saves: int
     save_failures: int
+    save_cancelled: int
     save_ms: float
     saved_tokens: int
     restores: int
+    restore_failures: int
+    restore_cancelled: int
     restore_ms: float
     restored_tokens: int
     hits: int

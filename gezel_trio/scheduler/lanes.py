@@ -3,6 +3,7 @@ one that can park KV), and a call abandoned when the engine fails."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
@@ -47,14 +48,25 @@ class ParkingLane(Protocol):
         """A keyed job found its session neither in its slot nor parked."""
         ...
 
-    async def park_slot(self, slot_id: int, session: str, blocks: Prefix = ()) -> int:
+    async def park_slot(
+        self, slot_id: int, session: str, blocks: Prefix = (), *, within: float = math.inf
+    ) -> int:
         """Save the slot's KV for ``session`` as a copy of ``blocks``: the tokens saved
-        (0: the slot was empty)."""
+        (0: the slot was empty). Raises when it fails or takes longer than ``within`` seconds
+        (a failure, logged with its reason); cancellation is no failure."""
         ...
 
-    async def unpark_slot(self, slot_id: int, session: str, prefix: Prefix | None = None) -> int:
+    async def unpark_slot(
+        self,
+        slot_id: int,
+        session: str,
+        prefix: Prefix | None = None,
+        *,
+        within: float = math.inf,
+    ) -> int:
         """Restore ``session``'s parked copy for ``prefix`` into the slot: the tokens
-        restored (0: none)."""
+        restored (0: none). Raises when it fails or takes longer than ``within`` seconds
+        (logged with its reason); cancellation is no failure."""
         ...
 
 

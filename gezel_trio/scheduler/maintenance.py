@@ -140,24 +140,24 @@ class SlotMaintenance:
             cleanup = _Cleanup(model_id, entry.id)
             table.pin(entry.id, cleanup)
             try:
-                with trio.move_on_after(self.settings.park_timeout):
-                    try:
-                        tokens = await lane.park_slot(entry.id, session, entry.blocks)
-                    except Exception as exc:
-                        log.warning("parking %s slot %d failed: %r", model_id, entry.id, exc)
-                        self._policy.note_park(ok=False)
-                        continue
-                    if (
-                        self._policy.still_serves(model_id, table, generation)
-                        and table.pinned_to(entry.id) is cleanup
-                    ):
-                        if tokens:
-                            table.parked(entry.id, cleanup, session)
-                        else:
-                            table.erased(entry.id, cleanup)
+                try:
+                    tokens = await lane.park_slot(
+                        entry.id, session, entry.blocks, within=self.settings.park_timeout
+                    )
+                except Exception:  # the lane logged why
+                    self._policy.note_park(ok=False)
+                    continue
+                if (
+                    self._policy.still_serves(model_id, table, generation)
+                    and table.pinned_to(entry.id) is cleanup
+                ):
                     if tokens:
-                        self._policy.note_park(ok=True)
-                        saved += 1
+                        table.parked(entry.id, cleanup, session)
+                    else:
+                        table.erased(entry.id, cleanup)
+                if tokens:
+                    self._policy.note_park(ok=True)
+                    saved += 1
             finally:
                 table.unpin(entry.id, cleanup)
                 self._wake()
@@ -330,27 +330,31 @@ class SlotMaintenance:
         return _IdleSave(model_id, lane, slot, session, entry.blocks, mark, hold, done)
 
     async def _run_idle_save(self, save: _IdleSave) -> None:
-        """The I/O of a save begun by :meth:`_begin_idle_save` (within ``park_timeout``)."""
+        """The I/O of a save begun by :meth:`_begin_idle_save` (within ``park_timeout``).
+        A failure is counted (the lane logs why); a cancelled save (shutdown) is not."""
         tokens: int | None = None
+        failed = False
         try:
             assert can_park(save.lane)
-            with trio.move_on_after(self.settings.park_timeout):
-                try:
-                    tokens = await save.lane.park_slot(save.slot, save.session, save.blocks)
-                except Exception as exc:
-                    log.warning("saving idle %s slot %d failed: %r", save.model_id, save.slot, exc)
+            try:
+                tokens = await save.lane.park_slot(
+                    save.slot, save.session, save.blocks, within=self.settings.park_timeout
+                )
+            except Exception:
+                failed = True
         finally:
-            self._end_idle_save(save, tokens=tokens)
+            self._end_idle_save(save, tokens=tokens, failed=failed)
 
-    def _end_idle_save(self, save: _IdleSave, *, tokens: int | None) -> None:
-        """Record the end of ``save`` (``tokens`` None: failed, cut or never run) and
-        release its mark, its engine hold and its waiters."""
+    def _end_idle_save(self, save: _IdleSave, *, tokens: int | None, failed: bool = False) -> None:
+        """Record the end of ``save`` (``tokens`` None: failed, cut or never run; only a
+        ``failed`` one counts as a failure) and release its mark, its engine hold and its
+        waiters."""
         key = (save.model_id, save.slot)
         try:
             table = self._policy.served_table(save.model_id)
             if table is not None:  # (a model removed meanwhile took its table along)
                 table.end_save(save.slot, save.mark, save.session, tokens=tokens)
-            if tokens is None:
+            if failed:
                 self._policy.note_park(ok=False, idle=True)
             elif tokens:
                 self._policy.note_park(ok=True, idle=True)

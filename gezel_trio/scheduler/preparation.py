@@ -202,42 +202,41 @@ class SlotPreparer:
         return calls, erased, restored
 
     async def _park(self, job: _TrioJob, lane: ParkingLane, session: str) -> bool:
-        """Save ``session``'s KV before its slot changes hands; False when it failed
-        (logged and counted: the handoff goes on, that session re-prefills later)."""
+        """Save ``session``'s KV before its slot changes hands (within ``park_timeout``);
+        False when it failed (the lane logs why; counted: the handoff goes on, that
+        session re-prefills later). Cancellation (the job's client left) is no failure."""
         slot = job.slot_id
         assert slot is not None
         blocks = self._policy.table_of(job).blocks(slot)
-        with trio.move_on_after(self.settings.park_timeout):
-            try:
-                saved = await lane.park_slot(slot, session, blocks)
-            except Exception as exc:
-                log.warning("parking %s slot %d failed: %r", job.model_id, slot, exc)
-            else:
-                self.check_pin(job)
-                table = self._policy.table_of(job)
-                if saved:
-                    table.parked(slot, job, session)
-                    self._policy.note_park(ok=True)
-                else:  # the engine says the slot holds no token: it is empty
-                    table.erased(slot, job)
-                return True
-        self._policy.note_park(ok=False)
-        return False
+        try:
+            saved = await lane.park_slot(slot, session, blocks, within=self.settings.park_timeout)
+        except Exception:
+            self._policy.note_park(ok=False)
+            return False
+        self.check_pin(job)
+        table = self._policy.table_of(job)
+        if saved:
+            table.parked(slot, job, session)
+            self._policy.note_park(ok=True)
+        else:  # the engine says the slot holds no token: it is empty
+            table.erased(slot, job)
+        return True
 
     async def _restore(self, job: _TrioJob, lane: ParkingLane, session: str) -> int:
         """Restore the job's own parked copy sharing the longest prefix with its request
-        into its slot (which also replaces whatever the slot held): the tokens restored.
-        0 when it did not take: the slot is then unknown."""
+        into its slot (which also replaces whatever the slot held), within
+        ``park_timeout``: the tokens restored. 0 when it did not take or failed (the lane
+        logs why): the slot is then unknown."""
         slot = job.slot_id
         assert slot is not None
         blocks = lane.parked_blocks(session, job.prefix) or ()
         self._policy.table_of(job).sending(slot, job)
-        restored = 0
-        with trio.move_on_after(self.settings.park_timeout):
-            try:
-                restored = await lane.unpark_slot(slot, session, job.prefix)
-            except Exception as exc:
-                log.warning("restoring %s slot %d failed: %r", job.model_id, slot, exc)
+        try:
+            restored = await lane.unpark_slot(
+                slot, session, job.prefix, within=self.settings.park_timeout
+            )
+        except Exception:
+            restored = 0
         if not restored:
             self._policy.note_restore(ok=False)
             return 0
