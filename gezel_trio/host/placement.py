@@ -97,15 +97,17 @@ def argv_builder(
                 f"the model file {model.path!r} does not exist"
             )
         plan = setup.active_plan
+        parallel, ctx_per_slot, extended = setup.planned_slots()
         profile = build_argv(
             binary=binary.path,
             model_path=model.path,
             port=port,
-            parallel=plan.parallel if plan else model.parallel,
-            ctx_per_slot=plan.ctx_per_slot if plan else model.ctx_per_slot,
+            parallel=parallel,
+            ctx_per_slot=ctx_per_slot,
             n_gpu_layers=plan.n_gpu_layers if plan and plan.device == "gpu" else None,
             slot_save_dir=default_slot_save_dir(state_dir, model.id),
             host_args=[
+                *extended,
                 *config.engine.extra_args,
                 *(
                     device_flags(
@@ -197,7 +199,7 @@ def reservation_for(
                 await held.enter_async_context(
                     ledger.reservation(dev, nbytes, owner=model.id, model=model.id)
                 )
-            setup.active_plan = plan
+            setup.active_plan = setup.planned = plan
             setup.placement = placement if len(placement.devices) > 1 or len(gpus) > 1 else None
             try:
                 yield plan
@@ -251,7 +253,7 @@ async def _rpc_plan(setup: ModelSetup, resolver: EngineResolver | None) -> Async
         raise NoCapacity(
             f"model {model.id!r} does not fit its RPC workers {where}: " + "; ".join(plan.reasons)
         )
-    setup.active_plan = plan
+    setup.active_plan = setup.planned = plan
     try:
         yield plan
     finally:
