@@ -9,6 +9,7 @@ engine then runs; once it runs, they are its ``/slots`` reading."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -162,7 +163,7 @@ async def test_smollm2_by_default_gets_its_trained_context(
 
 
 async def test_a_context_above_the_trained_one_runs_as_asked(
-    engine_binary: EngineBinary, smollm2: Path, state_dir: Path
+    engine_binary: EngineBinary, smollm2: Path, state_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     cfg = make_config(
         [ModelConfig(id="smollm2", path=str(smollm2), parallel=1, ctx_per_slot=16384)],
@@ -171,7 +172,9 @@ async def test_a_context_above_the_trained_one_runs_as_asked(
     )
     report = check_config(cfg, None)
     assert any("above the model's trained context 8192" in w for w in report.warnings)
-    assert await agree(cfg, "smollm2") == (1, 16384)
+    with caplog.at_level(logging.WARNING, logger="gezel_trio.host.placement"):
+        assert await agree(cfg, "smollm2") == (1, 16384)
+    assert "above its trained context 8192" in caplog.text
 
 
 async def test_ollama_num_ctx_does_not_change_the_reported_context(

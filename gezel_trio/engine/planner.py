@@ -379,9 +379,11 @@ def plan_engine(
         )
         return text + (f", {layers_text(ngl)}" if gpu else "")
 
-    # 1. As requested.
+    # 1. As requested (or by default).
     if fits(ctx_req, max_ngl):
-        reasons.append(f"as requested: {summary(ctx_req, max_ngl)}; {budget_line}")
+        asked = requested_ctx_per_slot is not None or requested_parallel is not None
+        how = "as requested" if asked else "by default (the trained context)"
+        reasons.append(f"{how}: {summary(ctx_req, max_ngl)}; {budget_line}")
         return make(ctx_req, max_ngl, True)
 
     # 2. Shrink the context per slot, down to the floor.

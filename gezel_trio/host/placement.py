@@ -7,6 +7,7 @@ reservation, so an engine's bytes are held exactly while its process lives.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -34,6 +35,8 @@ __all__ = [
     "engine_timing",
     "reservation_for",
 ]
+
+log = logging.getLogger("gezel_trio.host.placement")
 
 
 class EngineResolver:
@@ -178,6 +181,15 @@ def reservation_for(
             plan = plan_for(capacity, reserved=capacity - free, gpu=device_id != CPU_DEVICE)
             placement = Placement(plan, (device_id,))
         plan = placement.plan
+        if plan.context_flags:
+            log.warning(
+                "model %s: %d tokens per slot is above its trained context %s: the engine "
+                "runs it with %s; answers past the trained length may be worse",
+                model.id,
+                plan.ctx_per_slot,
+                info.context_length,
+                " ".join(plan.context_flags),
+            )
         setup.plan = {
             **plan.as_dict(),
             "devices": list(placement.devices),

@@ -241,7 +241,11 @@ class ModelRuntime:
 
     @property
     def slot_count(self) -> int:
-        """The engine's slots: what it runs (READY), else what it will run."""
+        """The engine's slots: what it runs (READY), else what it will run. Of an
+        external engine, a configured ``parallel`` is how many of its slots the host
+        uses."""
+        if self.config.external and self.config.parallel:
+            return self.config.parallel
         return self.engine.parallel or self.setup.expected_parallel()
 
     @property
