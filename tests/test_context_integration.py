@@ -26,6 +26,7 @@ from gezel_trio.engine import real_model
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.host import Host
 
+from ._engine_bin import open_llama_server
 from .conftest import make_config, running
 
 SMOLLM2_TRAINED = 8192
@@ -202,3 +203,24 @@ async def test_ollama_num_ctx_does_not_change_the_reported_context(
         seen = await reported(client, host, "tiny")
         assert (slots, n_ctx) == (1, 768)
         assert set(seen["ctx"].values()) == {n_ctx}, seen
+
+
+async def test_an_external_engine_is_reported_as_it_runs(
+    engine_binary: EngineBinary, tiny_model: Path, state_dir: Path
+) -> None:
+    """An engine the host does not own: what its ``/slots`` says, whatever its config said."""
+    async with open_llama_server(tiny_model, parallel=3, ctx=1536) as engine:
+        cfg = make_config(
+            [ModelConfig(id="ext", url=engine.base_url, ctx_per_slot=4096)],
+            state_dir=state_dir,
+            engine_binary=engine_binary,
+        )
+        async with running(cfg) as (host, client):
+            with trio.fail_after(60):
+                loaded = await client.post("/api/models/ext/load", timeout=60)
+            assert loaded.status_code == 200, loaded.text
+            slots, n_ctx = await engine_slots(host, "ext")
+            seen = await reported(client, host, "ext")
+            assert (slots, n_ctx) == (3, 512)
+            assert set(seen["ctx"].values()) == {n_ctx}, seen
+            assert seen["parallel"] == slots
