@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 from gezel_trio.config.schema import ModelConfig
-from gezel_trio.engine.context import extension_flags, slot_context, trained_context
+from gezel_trio.engine.context import (
+    SlotRequest,
+    extension_flags,
+    slot_context,
+    slot_request,
+    trained_context,
+)
 from gezel_trio.engine.gguf_meta import GGUFInfo
 from gezel_trio.engine.planner import AUTO_PARALLEL, DEFAULT_CTX_PER_SLOT, engine_cost, plan_engine
 from gezel_trio.host.runtime import ModelSetup
@@ -147,3 +153,53 @@ def test_setup_predicts_from_the_plan_extra_args_and_args() -> None:
     assert setup.expected_ctx_per_slot() == 256  # 1000 x 1 = 1024 total, / 4 slots
     setup.replace_config(ModelConfig(id="m", path="/m.gguf"), info)
     assert setup.planned is None  # a plan of other settings is forgotten
+
+
+# --- a context the engine flags set ------------------------------------------------------
+
+
+def _request(args: list[str], **config: int | None) -> SlotRequest:
+    return slot_request(
+        ctx_per_slot=config.get("ctx_per_slot"),
+        parallel=config.get("parallel"),
+        flags=args,
+        n_ctx_train=8192,
+        default_parallel=AUTO_PARALLEL,
+    )
+
+
+def test_flags_that_set_the_context_are_planned_as_the_engine_allocates() -> None:
+    # No -c: the settings (a --parallel in the flags wins over parallel).
+    assert _request([], ctx_per_slot=1024, parallel=4) == SlotRequest(1024, 4)
+    assert _request(["-np", "3"], parallel=4) == SlotRequest(None, 3)
+    # -c: each slot's KV holds the padded total over the slots, cap or not.
+    assert _request(["-c", "65536", "-np", "2"], ctx_per_slot=512) == SlotRequest(32768, 2, True)
+    assert _request(["-c", "2000"], parallel=2) == SlotRequest(1024, 2, True)
+    assert _request(["-c", "3000"]) == SlotRequest(1536, AUTO_PARALLEL, True)
+    assert _request(["-c", "0", "-np", "4"]) == SlotRequest(2048, 4, True)  # 0: the trained
+    assert _request(["-c", "16384", "-np", "2", "-kvu"]) == SlotRequest(8192, 2, True)
+    plan = plan_engine(
+        synthetic(),
+        budget_bytes=4 * GIB,
+        requested_ctx_per_slot=32768,
+        requested_parallel=2,
+        fixed=True,
+        gpu=False,
+    )
+    assert (plan.ctx_per_slot, plan.kv_bytes, plan.context_flags) == (32768, 4096 * 65536, ())
+    assert any("caps a slot's context at the trained 8192" in r for r in plan.reasons)
+
+
+def test_a_fixed_context_is_not_shrunk_to_fit() -> None:
+    info = synthetic()
+    budget = _cost(info, 4096, 2)
+    plan = plan_engine(
+        info,
+        budget_bytes=budget,
+        requested_ctx_per_slot=8192,
+        requested_parallel=2,
+        fixed=True,
+        gpu=False,
+    )
+    assert not plan.fits and plan.ctx_per_slot == 8192  # the engine would allocate it anyway
+    assert "does not fit" in plan.reasons[-1]

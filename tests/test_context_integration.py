@@ -224,3 +224,34 @@ async def test_an_external_engine_is_reported_as_it_runs(
             assert (slots, n_ctx) == (3, 512)
             assert set(seen["ctx"].values()) == {n_ctx}, seen
             assert seen["parallel"] == slots
+
+
+async def test_a_ctx_size_in_args_is_planned_for_the_kv_the_engine_allocates(
+    engine_binary: EngineBinary, tiny_model: Path, state_dir: Path
+) -> None:
+    """``-c`` in args above what a slot may use (the demo model is trained on 4,096): the
+    engine caps each slot at 4,096 but allocates the KV of the whole ``-c``; the plan (and
+    the memory reserved) counts what its log says it allocated."""
+    cfg = make_config(
+        [ModelConfig(id="tiny", path=str(tiny_model), args=["-c", "16384", "-lv", "4"])],
+        state_dir=state_dir,
+        engine_binary=engine_binary,
+    )
+    async with running(cfg) as (host, client):
+        with trio.fail_after(120):
+            loaded = await client.post("/api/models/tiny/load", timeout=120)
+        assert loaded.status_code == 200, loaded.text
+        slots, n_ctx = await engine_slots(host, "tiny")
+        assert (slots, n_ctx) == (2, 4096)
+        seen = await reported(client, host, "tiny")
+        assert set(seen["ctx"].values()) == {n_ctx}, seen
+        runtime = host.models["tiny"]
+        sizes = [
+            float(line.split("size =")[1].split("MiB")[0])
+            for line in runtime.engine.log.tail(400)
+            if "llama_kv_cache: size =" in line
+        ]
+        assert sizes, runtime.engine.log.summary()
+        plan = runtime.plan
+        assert plan is not None and plan["ctx_per_slot"] * plan["parallel"] == 16384
+        assert plan["kv_bytes"] == round(sizes[-1] * 1024**2)

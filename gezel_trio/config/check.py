@@ -30,10 +30,10 @@ from typing import Any
 
 from ..engine.argv import arg_problems, last_arg_value
 from ..engine.binary import resolve_engine
-from ..engine.context import slot_context, slot_flags
+from ..engine.context import slot_context, slot_flags, slot_request
 from ..engine.flags import EngineFlags, engine_flags
 from ..engine.gguf_meta import GGUFError, read_gguf_info
-from ..engine.planner import plan_engine
+from ..engine.planner import AUTO_PARALLEL, plan_engine
 from ..errors import GezelError
 from ..gpu.ledger import CPU_DEVICE, default_capacities, format_bytes
 from ..gpu.probe import DeviceHealth, NvmlProbe
@@ -162,12 +162,20 @@ def check_config(
                 "start against the memory they report)"
             }
             continue
+        request = slot_request(
+            ctx_per_slot=model.ctx_per_slot,
+            parallel=model.parallel,
+            flags=[*config.engine.extra_args, *model.args],
+            n_ctx_train=info.context_length or None,
+            default_parallel=AUTO_PARALLEL,
+        )
         plan = plan_engine(
             info,
             budget_bytes=report.budget_bytes,
             already_reserved_bytes=0,
-            requested_ctx_per_slot=model.ctx_per_slot,
-            requested_parallel=model.parallel,
+            requested_ctx_per_slot=request.ctx_per_slot,
+            requested_parallel=request.parallel,
+            fixed=request.fixed,
             gpu=report.device != CPU_DEVICE,
         )
         launch = slot_flags(
@@ -189,11 +197,6 @@ def check_config(
             f"{runs_parallel} slot(s) x {runs_ctx} tokens, "
             f"{format_bytes(plan.total_bytes)} on {plan.device}"
         )
-        if (runs_parallel, runs_ctx) != (str(plan.parallel), plan.ctx_per_slot):
-            summary += (
-                f" (the model's args change the plan's {plan.parallel} x {plan.ctx_per_slot}"
-                f"; memory planned for the plan's)"
-            )
         if plan.reasons:
             summary += " (" + "; ".join(plan.reasons) + ")"
         report.plans[model.id] = {

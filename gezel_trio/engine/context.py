@@ -20,10 +20,19 @@ runs (check-config, the listing of a stopped model); a running engine's own
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from .argv import last_arg_value
 
-__all__ = ["PAD", "extension_flags", "slot_context", "slot_flags", "trained_context"]
+__all__ = [
+    "PAD",
+    "SlotRequest",
+    "extension_flags",
+    "slot_context",
+    "slot_flags",
+    "slot_request",
+    "trained_context",
+]
 
 PAD = 256
 """llama.cpp pads the context (total and per sequence) to this many tokens."""
@@ -34,6 +43,20 @@ _UNIFIED_OFF = ("--no-kv-unified", "-no-kvu")
 
 def _pad(n: int) -> int:
     return (n + PAD - 1) // PAD * PAD
+
+
+def _unified(args: Sequence[str]) -> bool:
+    unified = False
+    for arg in args:
+        if arg in _UNIFIED_ON:
+            unified = True
+        elif arg in _UNIFIED_OFF:
+            unified = False
+    return unified
+
+
+def _whole(value: str | None) -> int | None:
+    return int(value) if value is not None and value.strip().isdigit() else None
 
 
 def trained_context(args: Sequence[str], n_ctx_train: int | None) -> int | None:
@@ -70,14 +93,8 @@ def slot_context(args: Sequence[str], *, n_ctx_train: int | None) -> int | None:
         if not trained:
             return None
         total = trained
-    unified = False
-    for arg in args:
-        if arg in _UNIFIED_ON:
-            unified = True
-        elif arg in _UNIFIED_OFF:
-            unified = False
     total = _pad(total)
-    per_slot = total if unified else _pad(total // max(1, parallel))
+    per_slot = total if _unified(args) else _pad(total // max(1, parallel))
     if trained:
         per_slot = min(per_slot, trained)
     return per_slot
@@ -122,3 +139,42 @@ def slot_flags(
         *extra_args,
         *model_args,
     ]
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRequest:
+    """What the memory planner is asked for: a context per slot and slots (None: its
+    defaults). ``fixed``: the engine flags set the context themselves, so the plan
+    counts the KV they allocate, as it is: no default, no shrinking, no extension."""
+
+    ctx_per_slot: int | None
+    parallel: int | None
+    fixed: bool = False
+
+
+def slot_request(
+    *,
+    ctx_per_slot: int | None,
+    parallel: int | None,
+    flags: Sequence[str],
+    n_ctx_train: int | None,
+    default_parallel: int,
+) -> SlotRequest:
+    """The planner's request for a model configured with ``ctx_per_slot`` and
+    ``parallel`` whose engine flags (``engine.extra_args`` then its ``args``) are
+    ``flags``. The last ``--parallel`` there wins over ``parallel``; a ``--ctx-size``
+    there wins over ``ctx_per_slot`` and decides the KV the engine allocates, whatever
+    each slot is capped at: every slot holds the total over the slots, padded (a
+    unified KV: the total, shared), so the plan counts that many cells per slot. Its
+    slots are then ``default_parallel`` when nothing sets them (the host passes the
+    plan's ``--parallel``, and a fixed plan does not choose)."""
+    slots = _whole(last_arg_value(flags, "--parallel")) or parallel
+    total = _whole(last_arg_value(flags, "--ctx-size"))
+    if total is None:
+        return SlotRequest(ctx_per_slot, slots)
+    total = _pad(total or n_ctx_train or 0)
+    if total <= 0:
+        return SlotRequest(ctx_per_slot, slots)
+    slots = slots or default_parallel
+    per_slot = total // slots if _unified(flags) else _pad(total // slots)
+    return SlotRequest(max(1, per_slot), slots, fixed=True)

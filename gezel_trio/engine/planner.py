@@ -266,13 +266,16 @@ def plan_engine(
     min_ctx_per_slot: int = MIN_CTX_PER_SLOT,
     n_ubatch: int = DEFAULT_UBATCH,
     flash_attn: bool = True,
+    fixed: bool = False,
 ) -> EnginePlan:
     """Plan context, slots and offload for ``info`` within ``budget - already_reserved``.
 
     ``gpu=False`` plans against RAM with ``n_gpu_layers`` 0. ``n_gpu_layers``
     is the most layers to offload (``None`` or negative: all). ``None`` for
     ``requested_ctx_per_slot`` or ``requested_parallel``: the defaults the module
-    docstring describes, with the shrinking policy.
+    docstring describes, with the shrinking policy. ``fixed``: the engine's own flags
+    set this context (:func:`gezel_trio.engine.context.slot_request`): it is planned as
+    it is, never shrunk or extended (only the offload may give way).
     """
     if requested_parallel is not None and requested_parallel < 1:
         raise ValueError(f"requested_parallel must be >= 1, got {requested_parallel}")
@@ -296,7 +299,7 @@ def plan_engine(
         raise ValueError(f"requested_ctx_per_slot must be >= 1, got {requested_ctx_per_slot}")
     else:
         ctx_req = requested_ctx_per_slot
-    floor = min(min_ctx_per_slot, ctx_req)
+    floor = ctx_req if fixed else min(min_ctx_per_slot, ctx_req)
 
     if not gpu:
         max_ngl = 0
@@ -329,7 +332,13 @@ def plan_engine(
                 f"{parallel} slot{'s' if parallel > 1 else ''} instead of {AUTO_PARALLEL}: "
                 f"{AUTO_PARALLEL} x {ctx_req} tokens do not fit"
             )
-    flags = tuple(extension_flags(info.architecture, ctx_model, ctx_req))
+    extend = not fixed
+    flags = tuple(extension_flags(info.architecture, ctx_model, ctx_req)) if extend else ()
+    if fixed and ctx_model and ctx_req > ctx_model:
+        reasons.append(
+            f"the engine's flags give each slot {ctx_req} tokens of KV; it caps a slot's "
+            f"context at the trained {ctx_model}"
+        )
     if flags:
         reasons.append(
             f"warning: {ctx_req} tokens per slot is above the model's trained context "
@@ -368,7 +377,9 @@ def plan_engine(
             host_bytes=c.host_bytes,
             cache_type=cache_type,
             recurrent=info.recurrent,
-            context_flags=tuple(extension_flags(info.architecture, ctx_model, ctx)),
+            context_flags=tuple(extension_flags(info.architecture, ctx_model, ctx))
+            if extend
+            else (),
         )
 
     def summary(ctx: int, ngl: int) -> str:

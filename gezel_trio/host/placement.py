@@ -163,13 +163,16 @@ def reservation_for(
             others = [h for h in (usage.holders if usage else ()) if h.owner != model.id]
             return ledger.capacities.get(dev, 0) - sum(h.nbytes for h in others), others
 
+        request = setup.slot_request()
+
         def plan_for(budget: int, *, reserved: int = 0, gpu: bool = True) -> EnginePlan:
             return plan_engine(
                 info,
                 budget_bytes=budget,
                 already_reserved_bytes=reserved,
-                requested_ctx_per_slot=model.ctx_per_slot,
-                requested_parallel=model.parallel,
+                requested_ctx_per_slot=request.ctx_per_slot,
+                requested_parallel=request.parallel,
+                fixed=request.fixed,
                 gpu=gpu,
             )
 
@@ -251,12 +254,14 @@ async def _rpc_plan(setup: ModelSetup, resolver: EngineResolver | None) -> Async
     except EngineFailed as exc:
         raise EngineFailed(f"engine for model {model.id!r} cannot start: {exc.message}") from exc
     budget = sum(d.free_bytes for d in devices)
+    request = setup.slot_request()
     plan = plan_engine(
         info,
         budget_bytes=budget,
         already_reserved_bytes=0,
-        requested_ctx_per_slot=model.ctx_per_slot,
-        requested_parallel=model.parallel,
+        requested_ctx_per_slot=request.ctx_per_slot,
+        requested_parallel=request.parallel,
+        fixed=request.fixed,
         gpu=True,
     )
     where = ", ".join(f"{d.endpoint} ({d.free_bytes // 1024**2} MiB free)" for d in devices)

@@ -27,7 +27,7 @@ import trio
 from ..config.schema import ModelConfig
 from ..engine.argv import kv_shape_flags, last_arg_value
 from ..engine.client import EngineClient
-from ..engine.context import extension_flags, slot_context, slot_flags
+from ..engine.context import SlotRequest, extension_flags, slot_context, slot_flags, slot_request
 from ..engine.gguf_meta import GGUFInfo
 from ..engine.planner import AUTO_PARALLEL, DEFAULT_CTX_PER_SLOT, EnginePlan
 from ..engine.supervisor import Engine, EngineState
@@ -76,6 +76,17 @@ class ModelSetup:
         self.config = config
         self.gguf = gguf
         self.planned = None
+
+    def slot_request(self) -> SlotRequest:
+        """What the memory planner is asked for: the settings, or what the engine flags
+        (``extra_args``, then ``args``) set (:func:`~gezel_trio.engine.context.slot_request`)."""
+        return slot_request(
+            ctx_per_slot=self.config.ctx_per_slot,
+            parallel=self.config.parallel,
+            flags=[*self.extra_args, *self.config.args],
+            n_ctx_train=(self.gguf.context_length if self.gguf else None) or None,
+            default_parallel=AUTO_PARALLEL,
+        )
 
     def planned_slots(self) -> tuple[int, int, tuple[str, ...]]:
         """Slots, context per slot and the flags that extend the context: the plan's
