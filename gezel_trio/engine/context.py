@@ -10,11 +10,14 @@ and ``--parallel`` into each slot's context this way:
 3. the server caps a slot at the model's trained context (``n_ctx_train``, which
    ``--override-kv <arch>.context_length=int:N`` replaces).
 
-:func:`slot_context` is that rule; :func:`extension_flags` are the flags that let the
-engine run a context above the trained one (the override, and YaRN rope scaling from
-the trained length). Pure functions: the host predicts with them before an engine
-runs (check-config, the listing of a stopped model); a running engine's own
-``/slots`` ``n_ctx`` is the truth once it is READY.
+:func:`slot_context` is that rule, over the flags :func:`slot_flags` lists in the order
+the host passes them; :func:`extension_flags` are the flags that let the engine run a
+context above the trained one (the override, and YaRN rope scaling from the trained
+length); :func:`slot_request` is what the memory planner is asked for, where the flags
+themselves set the context (the KV the engine allocates, before its cap). Pure
+functions: the host predicts with them before an engine runs (check-config, the
+listing of a stopped model); a running engine's own ``/slots`` ``n_ctx`` is the truth
+once it is READY.
 """
 
 from __future__ import annotations
