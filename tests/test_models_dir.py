@@ -54,7 +54,7 @@ def test_an_explicit_entry_wins_by_file_or_by_id(tmp_path: Path) -> None:
         ModelConfig(id="beta", path=str(tmp_path / "elsewhere.gguf")),
     ]
     merged = models_from_dir(explicit, str(tmp_path))
-    assert [(m.id, m.parallel) for m in merged] == [("mine", 4), ("beta", 2), ("gamma", 2)]
+    assert [(m.id, m.parallel) for m in merged] == [("mine", 4), ("beta", None), ("gamma", None)]
     assert models_from_dir(explicit, None) == explicit
 
 

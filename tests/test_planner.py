@@ -367,17 +367,29 @@ def test_gpu_plan_that_cannot_fit_at_all() -> None:
     assert "does not fit" in plan.reasons[-1]
 
 
-def test_requested_context_capped_at_training_context_and_ngl_clamped() -> None:
+def test_context_above_training_is_planned_with_its_flags_and_ngl_clamped() -> None:
     plan = plan_engine(
         synthetic(),
         budget_bytes=4 * GIB,
-        requested_ctx_per_slot=100_000,
+        requested_ctx_per_slot=16384,
         requested_parallel=1,
         gpu=True,
         n_gpu_layers=999,
     )
-    assert (plan.ctx_per_slot, plan.n_gpu_layers) == (8192, 5)
-    assert "capped at the model's trained context 8192" in plan.reasons[0]
+    assert (plan.ctx_per_slot, plan.n_gpu_layers) == (16384, 5)
+    assert plan.kv_bytes == 4096 * 16384
+    assert plan.context_flags == (
+        "--override-kv",
+        "llama.context_length=int:16384",
+        "--rope-scaling",
+        "yarn",
+        "--rope-scale",
+        "2",
+        "--yarn-orig-ctx",
+        "8192",
+    )
+    assert plan.argv()[-8:] == list(plan.context_flags)
+    assert "above the model's trained context 8192" in plan.reasons[0]
     partial = plan_engine(
         synthetic(), budget_bytes=4 * GIB, requested_ctx_per_slot=1024, gpu=True, n_gpu_layers=2
     )

@@ -139,10 +139,11 @@ async def benchmark(model_id: str) -> Response:
         n_predict = int(args.get("n_predict", "32"))
     except ValueError as exc:
         raise FieldError("prompt_tokens", "prompt_tokens and n_predict must be integers") from exc
-    if not 1 <= prompt_tokens <= rt.config.ctx_per_slot - n_predict or n_predict < 1:
+    ctx = rt.ctx_per_slot or 0
+    if not 1 <= prompt_tokens <= ctx - n_predict or n_predict < 1:
         raise FieldError(
             "prompt_tokens",
-            f"need 1 <= n_predict and prompt_tokens + n_predict <= {rt.config.ctx_per_slot}",
+            f"need 1 <= n_predict and prompt_tokens + n_predict <= {ctx}",
         )
     result = await host.benchmark(rt, prompt_tokens=prompt_tokens, n_predict=n_predict)
     return json_response({"model": rt.id, **result})

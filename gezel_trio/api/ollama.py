@@ -314,6 +314,12 @@ def _read_gguf_facts(facts: _FileFacts) -> _FileFacts:
     )
 
 
+def _num_ctx(runtime: ModelRuntime) -> tuple[tuple[str, Any], ...]:
+    """``num_ctx``: the context each slot runs (none when it is not known yet)."""
+    ctx = runtime.ctx_per_slot
+    return () if ctx is None else (("num_ctx", ctx),)
+
+
 async def model_facts(runtime: ModelRuntime, *, extra_args: Sequence[str] = ()) -> ModelFacts:
     """What ``/api/tags``, ``/api/ps`` and ``/api/show`` say about a model: its file's
     size, date and digest and its GGUF header (read once per file version, in a
@@ -331,7 +337,8 @@ async def model_facts(runtime: ModelRuntime, *, extra_args: Sequence[str] = ()) 
             capabilities=model_capabilities(
                 completion=not embedding_only, embedding=config.embeddings, vision=True
             ),
-            parameters=(("num_ctx", config.ctx_per_slot),),
+            ctx_per_slot=runtime.ctx_per_slot,
+            parameters=_num_ctx(runtime),
         )
     file = await trio.to_thread.run_sync(_file_facts, config.path)
     gguf = runtime.gguf
@@ -359,6 +366,7 @@ async def model_facts(runtime: ModelRuntime, *, extra_args: Sequence[str] = ()) 
         parameter_count=file.parameter_count,
         file_type=file.file_type,
         context_length=gguf.context_length if gguf else None,
+        ctx_per_slot=runtime.ctx_per_slot,
         embedding_length=gguf.embedding_length if gguf else None,
         chat_template=template,
         capabilities=model_capabilities(
@@ -369,7 +377,7 @@ async def model_facts(runtime: ModelRuntime, *, extra_args: Sequence[str] = ()) 
             embedding=config.embeddings,
             thinking=not embedding_only and template_supports_thinking(template),
         ),
-        parameters=(("num_ctx", config.ctx_per_slot),),
+        parameters=_num_ctx(runtime),
         metadata=tuple(metadata),
     )
 
@@ -395,8 +403,7 @@ def _loaded_facts(members: Sequence[ModelRuntime], now_ns: int) -> LoadedFacts |
         else:
             left = max(0.0, ttl - member.engine.idle_for())
             expires = max(expires, now_ns + round(left * 1e9))
-    plan = ready[0].active_plan
-    ctx = plan.ctx_per_slot if plan is not None else ready[0].config.ctx_per_slot
+    ctx = ready[0].ctx_per_slot
     return LoadedFacts(size=size, size_vram=vram, expires_ns=expires, context_length=ctx)
 
 
@@ -494,7 +501,7 @@ async def _prepared(
     _refuse_unsupported(runtime, translated)
     translated = check_against_model(
         translated,
-        ctx_per_slot=runtime.config.ctx_per_slot,
+        ctx_per_slot=runtime.ctx_per_slot,
         has_projector=has_projector(runtime, host.config.engine.extra_args),
     )
     return host, runtime, translated, owner, RequestClock.start(runtime, started_ns)

@@ -387,15 +387,16 @@ class EngineRequest:
 
 
 def check_against_model(
-    request: EngineRequest, *, ctx_per_slot: int, has_projector: bool
+    request: EngineRequest, *, ctx_per_slot: int | None, has_projector: bool
 ) -> EngineRequest:
     """Check a request against the model that will serve it, and fit it.
 
     ``options.num_ctx`` above ``ctx_per_slot`` and images for a model without a
     projector are a 400 naming the field. A token limit above ``ctx_per_slot`` is
     lowered to it (Ollama bounds ``num_predict`` by the context the same way).
+    ``ctx_per_slot`` None (not known yet): neither is checked.
     """
-    if request.num_ctx is not None and request.num_ctx > ctx_per_slot:
+    if request.num_ctx is not None and ctx_per_slot is not None and request.num_ctx > ctx_per_slot:
         raise FieldError(
             "options.num_ctx",
             f"{request.num_ctx} is more than this model's context per slot "
@@ -410,7 +411,7 @@ def check_against_model(
         )
     key = "max_tokens" if request.path == CHAT_PATH else "n_predict"
     limit = request.body.get(key)
-    if isinstance(limit, int) and limit > ctx_per_slot:
+    if isinstance(limit, int) and ctx_per_slot is not None and limit > ctx_per_slot:
         return replace(request, body={**request.body, key: ctx_per_slot})
     return request
 
@@ -1447,6 +1448,9 @@ class ModelFacts:
     parameter_count: int | None = None
     file_type: int | str | None = None
     context_length: int | None = None
+    """The trained context (the GGUF's, in ``model_info``)."""
+    ctx_per_slot: int | None = None
+    """The context a request gets: each slot's, as the engine runs it."""
     embedding_length: int | None = None
     chat_template: str | None = None
     capabilities: tuple[str, ...] = ("completion",)
@@ -1480,13 +1484,13 @@ def _details(model: ModelFacts) -> dict[str, Any]:
 
 
 def tags_body(models: Iterable[ModelFacts]) -> dict[str, Any]:
-    """``GET /api/tags``: newest first, with capabilities and the trained context
-    and embedding lengths in ``details``, as Ollama's list has them."""
+    """``GET /api/tags``: newest first, with capabilities and the context a request
+    gets (each slot's, else the trained one) and the embedding length in ``details``."""
     rows = []
     for m in sorted(models, key=lambda m: -m.modified_ns):
         details = _details(m)
-        if m.context_length:
-            details["context_length"] = m.context_length
+        if m.ctx_per_slot or m.context_length:
+            details["context_length"] = m.ctx_per_slot or m.context_length
         if m.embedding_length:
             details["embedding_length"] = m.embedding_length
         rows.append(

@@ -170,16 +170,14 @@ async def list_models() -> Response:
                 "owned_by": "external" if rt.config.external else "gezel-trio",
                 "name": rt.config.display_name,
                 "state": (ready[0] if ready else rt).engine.state.value.value,
-                "parallel": sum(m.engine.parallel or m.config.parallel for m in members)
-                if members
-                else rt.engine.parallel or rt.config.parallel,
-                "ctx_per_slot": rt.config.ctx_per_slot,
+                "parallel": sum(m.slot_count for m in members) if members else rt.slot_count,
+                "ctx_per_slot": rt.ctx_per_slot,
                 **({"replicas": [m.id for m in members]} if members else {}),
                 # llama-server's own /v1/models carries these; clients (and the bench
                 # harness) read the vocabulary and context from here.
                 "meta": {
                     "n_vocab": rt.vocab_size,
-                    "n_ctx": rt.config.ctx_per_slot,
+                    "n_ctx": rt.ctx_per_slot,
                     "n_ctx_train": rt.gguf.context_length if rt.gguf else None,
                     "architecture": rt.gguf.architecture if rt.gguf else None,
                 },

@@ -171,7 +171,8 @@ def failure_of(engine: dict[str, Any]) -> str | None:
 
 def ps_rows(status: dict[str, Any]) -> list[list[object]]:
     """One row per model from ``/api/status``. MEMORY is the engine's planned bytes while
-    its process holds them (starting, ready, stopping); a stopped or failed one holds none."""
+    its process holds them (starting, ready, stopping); a stopped or failed one holds none.
+    CONTEXT is each slot's context: the engine's own while it runs, else what it will run."""
     sched = status.get("scheduler") or {}
     running = sched.get("running") or {}
     tables = sched.get("slots") or {}
@@ -196,6 +197,7 @@ def ps_rows(status: dict[str, Any]) -> list[list[object]]:
                 state,
                 memory,
                 f"{running.get(model, 0)}/{parallel}" if parallel else None,
+                e.get("ctx_per_slot"),
                 contents.get("owned", 0),
                 f"{kv.get('parked', 0)} ({human_bytes(kv.get('bytes', 0))})" if kv else "off",
                 human_seconds(e.get("idle_seconds")) if state == "ready" else None,
@@ -204,7 +206,7 @@ def ps_rows(status: dict[str, Any]) -> list[list[object]]:
     return rows
 
 
-PS_HEADERS = ("MODEL", "STATE", "MEMORY", "BUSY", "SESSIONS", "PARKED", "IDLE")
+PS_HEADERS = ("MODEL", "STATE", "MEMORY", "BUSY", "CONTEXT", "SESSIONS", "PARKED", "IDLE")
 
 
 def ps_text(status: dict[str, Any]) -> str:

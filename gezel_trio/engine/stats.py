@@ -34,6 +34,8 @@ class EngineStats:
     stop_seconds: float | None
     argv: tuple[str, ...]
     log_tail: tuple[str, ...]
+    n_ctx: int | None = None
+    """Each slot's context, as the running engine reported it (None: not running)."""
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -41,6 +41,7 @@ from trio_util import AsyncValue
 
 from .._trio import unwrapping
 from ..errors import EngineCrashed, EngineFailed, EngineStopped, GezelError
+from .client import read_slot_shape
 from .external import check_external, watch_external
 from .health import healthy_within, wait_healthy
 from .logs import LogRing
@@ -151,6 +152,10 @@ class Engine:
         self.port: int | None = None
         self.pid: int | None = None
         self.parallel: int | None = None
+        self.n_ctx: int | None = None
+        """The context of each slot of the running engine, from its ``/slots`` (or
+        ``/props``) read when it turned READY; None while no process runs or it did
+        not say. ``parallel`` is corrected from the same reading."""
         self.base_url: str | None = url.rstrip("/") if url else None
         self._process_url = self.base_url or ""
         self.generation = 0
@@ -288,6 +293,7 @@ class Engine:
             port=self.port,
             url=self.base_url,
             parallel=self.parallel,
+            n_ctx=self.n_ctx,
             generation=self.generation,
             starts=self.starts,
             crashes=self.crashes,
@@ -467,6 +473,7 @@ class Engine:
                     attempt.finish(EngineStopped(f"engine for model {self.model_id!r} was stopped"))
                     nursery.cancel_scope.cancel()
                     return
+                await self._read_shape(self._process_url)
                 self.generation += 1
                 self.base_url = self._process_url
                 self.ready_at = trio.current_time()
@@ -478,7 +485,7 @@ class Engine:
                     logging.INFO,
                     "engine_ready",
                     f"ready in {self.last_ready_seconds:.2f}s (pid {proc.pid}, port {port}, "
-                    f"{parallel} slot{'s' if parallel != 1 else ''})",
+                    f"{self._shape_text()})",
                     pid=proc.pid,
                     port=port,
                     load_s=round(self.last_ready_seconds, 3),
@@ -494,6 +501,7 @@ class Engine:
                     self._set(EngineState.STOPPING)
                     await self._run_before_stop(exited)
             self.base_url = None  # nothing more may be sent to this process
+            self.n_ctx = None
             if proc.returncode is None:
                 # Cancelled (host shutdown) or an unexpected error: never leave the child behind.
                 self._stopping_on_purpose = True
@@ -683,10 +691,13 @@ class Engine:
             self._record_failure(reason)
             attempt.finish(EngineFailed(reason))
             return
+        await self._read_shape(base_url)
         self.generation += 1
         self.ready_at = trio.current_time()
         self._set(EngineState.READY)
-        self._event(logging.INFO, "engine_ready", f"ready (external, at {base_url})")
+        self._event(
+            logging.INFO, "engine_ready", f"ready (external, at {base_url}, {self._shape_text()})"
+        )
         attempt.finish()
         reason = await watch_external(
             self._http,
@@ -697,10 +708,29 @@ class Engine:
             nap=self._nap,
             stop_requested=lambda: self._stop_requested.is_set(),
         )
+        self.n_ctx = None
         if reason is None:
             self._set(EngineState.STOPPED)
         else:
             self._record_failure(reason)
+
+    async def _read_shape(self, base_url: str) -> None:
+        """Learn the slots and each one's context from the engine that just answered
+        ``/health`` (:func:`.client.read_slot_shape`): what the host reports and
+        limits by is what the engine runs. Unknown (None) when it does not say.
+        Cancellation abandons the reading."""
+        shape = await read_slot_shape(
+            self._http, base_url, answer_within=max(1.0, self.timing.health_timeout)
+        )
+        self.n_ctx = shape.n_ctx if shape is not None else None
+        if shape is not None and shape.slots != self.parallel:
+            if self.parallel is not None:
+                self.log.append(f"[gezel] the engine runs {shape.slots} slots, not {self.parallel}")
+            self.parallel = shape.slots
+
+    def _shape_text(self) -> str:
+        slots = f"{self.parallel} slot{'s' if self.parallel != 1 else ''}"
+        return f"{slots} of {self.n_ctx} tokens" if self.n_ctx else slots
 
     async def _nap(self, seconds: float) -> None:
         """Sleep ``seconds``, or less if a stop request or an exit wakes the monitor."""

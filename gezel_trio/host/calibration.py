@@ -207,6 +207,11 @@ class CalibratedModel(Protocol):
         """The admission ceiling in effect (for the log)."""
         ...
 
+    @property
+    def slot_count(self) -> int:
+        """The engine's slots (what it runs, else what it will run)."""
+        ...
+
 
 @dataclass(frozen=True)
 class RetryPolicy:
@@ -243,7 +248,7 @@ def apply_verdict(
     state = runtime.calibration
     recurrent = bool(state.arch and state.arch.recurrent)
     override = runtime.config.allow_unsafe_batching
-    configured = runtime.engine.parallel or runtime.config.parallel
+    configured = runtime.slot_count
     ceiling = decide_ceiling(
         result, configured_parallel=configured, recurrent=recurrent, override=override
     )
@@ -394,7 +399,7 @@ async def calibrate(ctx: Calibrator, runtime: CalibratedModel) -> CalibrationRes
             state.phase = "starting engine"
             await engine.ensure_ready()
             assert engine.base_url is not None
-            parallel = engine.parallel or runtime.config.parallel
+            parallel = runtime.slot_count
             state.phase = "probing"
             try:
                 result = await ctx.probe(

@@ -196,7 +196,7 @@ class Catalog:
         config = self.config
         resolver = self._resolver
         state_dir = config.state_dir
-        setup = ModelSetup(config=model)
+        setup = ModelSetup(config=model, extra_args=tuple(config.engine.extra_args))
         build = self._fingerprint()
         env = None
         if not model.external and resolver.error is None:
@@ -332,8 +332,7 @@ class Catalog:
         while runtime.engine.busy:  # (woken, someone may have taken it again)
             await runtime.engine.wait_idle()
         # no checkpoint from here to the stop request: nothing can be admitted in between
-        runtime.config = model
-        runtime.gguf = gguf
+        runtime.setup.replace_config(model, gguf)
         runtime.engine.timing = engine_timing(self.config, model)
         await runtime.engine.stop()
         log.info(

@@ -405,7 +405,9 @@ class CompletionService:
         """Refuse (400) what the engine's slot cannot hold: token ids out of its
         vocabulary, or more tokens to generate than a slot's context."""
         runtime.check_token_ids(body.get("prompt"), "prompt")
-        ctx = runtime.config.ctx_per_slot
+        ctx = runtime.ctx_per_slot
+        if ctx is None:
+            return
         for name in ("max_tokens", "max_completion_tokens", "n_predict", "max_output_tokens"):
             v = body.get(name)
             if isinstance(v, int) and v > ctx:

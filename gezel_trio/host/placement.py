@@ -7,6 +7,7 @@ reservation, so an engine's bytes are held exactly while its process lives.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -34,6 +35,8 @@ __all__ = [
     "engine_timing",
     "reservation_for",
 ]
+
+log = logging.getLogger("gezel_trio.host.placement")
 
 
 class EngineResolver:
@@ -97,15 +100,17 @@ def argv_builder(
                 f"the model file {model.path!r} does not exist"
             )
         plan = setup.active_plan
+        parallel, ctx_per_slot, extended = setup.planned_slots()
         profile = build_argv(
             binary=binary.path,
             model_path=model.path,
             port=port,
-            parallel=plan.parallel if plan else model.parallel,
-            ctx_per_slot=plan.ctx_per_slot if plan else model.ctx_per_slot,
+            parallel=parallel,
+            ctx_per_slot=ctx_per_slot,
             n_gpu_layers=plan.n_gpu_layers if plan and plan.device == "gpu" else None,
             slot_save_dir=default_slot_save_dir(state_dir, model.id),
             host_args=[
+                *extended,
                 *config.engine.extra_args,
                 *(
                     device_flags(
@@ -158,13 +163,16 @@ def reservation_for(
             others = [h for h in (usage.holders if usage else ()) if h.owner != model.id]
             return ledger.capacities.get(dev, 0) - sum(h.nbytes for h in others), others
 
+        request = setup.slot_request()
+
         def plan_for(budget: int, *, reserved: int = 0, gpu: bool = True) -> EnginePlan:
             return plan_engine(
                 info,
                 budget_bytes=budget,
                 already_reserved_bytes=reserved,
-                requested_ctx_per_slot=model.ctx_per_slot,
-                requested_parallel=model.parallel,
+                requested_ctx_per_slot=request.ctx_per_slot,
+                requested_parallel=request.parallel,
+                fixed=request.fixed,
                 gpu=gpu,
             )
 
@@ -176,6 +184,15 @@ def reservation_for(
             plan = plan_for(capacity, reserved=capacity - free, gpu=device_id != CPU_DEVICE)
             placement = Placement(plan, (device_id,))
         plan = placement.plan
+        if plan.context_flags:
+            log.warning(
+                "model %s: %d tokens per slot is above its trained context %s: the engine "
+                "runs it with %s; answers past the trained length may be worse",
+                model.id,
+                plan.ctx_per_slot,
+                info.context_length,
+                " ".join(plan.context_flags),
+            )
         setup.plan = {
             **plan.as_dict(),
             "devices": list(placement.devices),
@@ -197,7 +214,7 @@ def reservation_for(
                 await held.enter_async_context(
                     ledger.reservation(dev, nbytes, owner=model.id, model=model.id)
                 )
-            setup.active_plan = plan
+            setup.active_plan = setup.planned = plan
             setup.placement = placement if len(placement.devices) > 1 or len(gpus) > 1 else None
             try:
                 yield plan
@@ -237,12 +254,14 @@ async def _rpc_plan(setup: ModelSetup, resolver: EngineResolver | None) -> Async
     except EngineFailed as exc:
         raise EngineFailed(f"engine for model {model.id!r} cannot start: {exc.message}") from exc
     budget = sum(d.free_bytes for d in devices)
+    request = setup.slot_request()
     plan = plan_engine(
         info,
         budget_bytes=budget,
         already_reserved_bytes=0,
-        requested_ctx_per_slot=model.ctx_per_slot,
-        requested_parallel=model.parallel,
+        requested_ctx_per_slot=request.ctx_per_slot,
+        requested_parallel=request.parallel,
+        fixed=request.fixed,
         gpu=True,
     )
     where = ", ".join(f"{d.endpoint} ({d.free_bytes // 1024**2} MiB free)" for d in devices)
@@ -251,7 +270,7 @@ async def _rpc_plan(setup: ModelSetup, resolver: EngineResolver | None) -> Async
         raise NoCapacity(
             f"model {model.id!r} does not fit its RPC workers {where}: " + "; ".join(plan.reasons)
         )
-    setup.active_plan = plan
+    setup.active_plan = setup.planned = plan
     try:
         yield plan
     finally:

@@ -28,8 +28,9 @@ import trio
 from ..config.schema import ModelConfig
 from ..engine.argv import kv_shape_flags, last_arg_value
 from ..engine.client import EngineClient
+from ..engine.context import SlotRequest, extension_flags, slot_context, slot_flags, slot_request
 from ..engine.gguf_meta import GGUFInfo
-from ..engine.planner import EnginePlan
+from ..engine.planner import AUTO_PARALLEL, DEFAULT_CTX_PER_SLOT, EnginePlan
 from ..engine.supervisor import Engine, EngineState
 from ..errors import EngineFailed, FieldError, GezelError
 from ..gpu.arbiter import GpuArbiter
@@ -67,6 +68,70 @@ class ModelSetup:
     """The plan of the engine process running now (inside its reservation)."""
     placement: Placement[EnginePlan] | None = None
     """Its GPUs, on a machine with several (None: one GPU, or the CPU)."""
+    extra_args: tuple[str, ...] = ()
+    """``engine.extra_args``: the flags every engine gets, before the model's own."""
+    planned: EnginePlan | None = None
+    """The last plan made for this ``config`` (None: none yet, or the config changed)."""
+
+    def replace_config(self, config: ModelConfig, gguf: GGUFInfo | None) -> None:
+        """New settings (a reconfigure): the plan made for the old ones is forgotten."""
+        self.config = config
+        self.gguf = gguf
+        self.planned = None
+
+    def slot_request(self) -> SlotRequest:
+        """What the memory planner is asked for: the settings, or what the engine flags
+        (``extra_args``, then ``args``) set (:func:`~gezel_trio.engine.context.slot_request`)."""
+        return slot_request(
+            ctx_per_slot=self.config.ctx_per_slot,
+            parallel=self.config.parallel,
+            flags=[*self.extra_args, *self.config.args],
+            n_ctx_train=(self.gguf.context_length if self.gguf else None) or None,
+            default_parallel=AUTO_PARALLEL,
+        )
+
+    def planned_slots(self) -> tuple[int, int, tuple[str, ...]]:
+        """Slots, context per slot and the flags that extend the context: the plan's
+        (the running engine's, else the last one), else the plan's defaults before any
+        memory check (:mod:`gezel_trio.engine.planner`)."""
+        plan = self.active_plan or self.planned
+        if plan is not None:
+            return plan.parallel, plan.ctx_per_slot, plan.context_flags
+        trained = self.gguf.context_length if self.gguf else None
+        parallel = self.config.parallel or AUTO_PARALLEL
+        ctx = self.config.ctx_per_slot or trained or DEFAULT_CTX_PER_SLOT
+        arch = self.gguf.architecture if self.gguf else ""
+        return parallel, ctx, tuple(extension_flags(arch, trained, ctx))
+
+    def slot_flags(self) -> list[str]:
+        """The flags that decide the engine's slots, in the order the engine gets them:
+        :meth:`planned_slots`'s, then ``engine.extra_args``, then the model's ``args``
+        (the last occurrence of a flag wins)."""
+        parallel, ctx, extended = self.planned_slots()
+        return slot_flags(
+            parallel=parallel,
+            ctx_per_slot=ctx,
+            extended=extended,
+            extra_args=self.extra_args,
+            model_args=self.config.args,
+        )
+
+    def expected_parallel(self) -> int:
+        """The slots the engine will run (:meth:`slot_flags`; an external engine: its
+        configured ``parallel``, else :data:`AUTO_PARALLEL`)."""
+        if self.config.external:
+            return self.config.parallel or AUTO_PARALLEL
+        value = last_arg_value(self.slot_flags(), "--parallel")
+        return int(value) if value and value.isdigit() else AUTO_PARALLEL
+
+    def expected_ctx_per_slot(self) -> int | None:
+        """The context each slot will get (:func:`~gezel_trio.engine.context.slot_context`
+        of :meth:`slot_flags`, as the engine reads them; an external engine: its
+        configured ``ctx_per_slot``). None: not known."""
+        if self.config.external:
+            return self.config.ctx_per_slot
+        trained = self.gguf.context_length if self.gguf else None
+        return slot_context(self.slot_flags(), n_ctx_train=trained or None)
 
     @property
     def gpu_indices(self) -> tuple[int, ...] | None:
@@ -117,7 +182,7 @@ class ModelRuntime:
 
     @config.setter
     def config(self, value: ModelConfig) -> None:
-        self.setup.config = value
+        self.setup.replace_config(value, self.setup.gguf)
 
     @property
     def gguf(self) -> GGUFInfo | None:
@@ -182,14 +247,27 @@ class ModelRuntime:
 
     @property
     def parallel(self) -> int:
-        slots = self.engine.parallel or self.config.parallel
+        slots = self.slot_count
         if self.ceiling is not None:
             return max(1, min(slots, self.ceiling))
         return slots
 
     @property
     def slot_count(self) -> int:
-        return self.engine.parallel or self.config.parallel
+        """The engine's slots: what it runs (READY), else what it will run. Of an
+        external engine, a configured ``parallel`` is how many of its slots the host
+        uses."""
+        if self.config.external and self.config.parallel:
+            return self.config.parallel
+        return self.engine.parallel or self.setup.expected_parallel()
+
+    @property
+    def ctx_per_slot(self) -> int | None:
+        """The context of one slot, the one value every report and limit reads: what the
+        engine runs (its ``/slots`` ``n_ctx``, read when it turned READY), else what it
+        will be started with (:meth:`ModelSetup.expected_ctx_per_slot`). None: not
+        known (an external engine not reached yet, configured without it)."""
+        return self.engine.n_ctx or self.setup.expected_ctx_per_slot()
 
     @property
     def generation(self) -> int:
@@ -325,19 +403,11 @@ class ModelRuntime:
             self._compat = cached = (key, compat)
         return cached[1]
 
-    def _ctx_per_slot(self) -> int | None:
-        argv = self.engine.argv
-        try:
-            total = int(last_arg_value(argv, "--ctx-size") or 0)
-        except ValueError:
-            return None
-        return total // max(1, self.slot_count) if total > 0 else None
-
     def _parked_entry(self, session: str, prefix: Prefix | None = None) -> KvEntry | None:
         if self.kv is None:
             return None
         return self.kv.find(
-            self.id, session, self.kv_compat(), ctx_per_slot=self._ctx_per_slot(), prefix=prefix
+            self.id, session, self.kv_compat(), ctx_per_slot=self.ctx_per_slot, prefix=prefix
         )
 
     def is_parked(self, session: str | None, prefix: Prefix | None = None) -> bool:
@@ -548,6 +618,7 @@ class ModelRuntime:
             name=self.display_name,
             slot_class=self.config.gpu_class,
             admission_ceiling=self.parallel,
+            ctx_per_slot=self.ctx_per_slot,
             ceiling_reason=self.ceiling_reason,
             plan=self.plan,
             calibration=self.calibration.as_dict(),

@@ -69,6 +69,8 @@ class ModelStats:
     """None with parking off (``{}`` in JSON)."""
     upstream_calls: dict[str, int]
     replica_of: str | None = None
+    ctx_per_slot: int | None = None
+    """Each slot's context: the running engine's ``n_ctx``, else what it will run."""
 
     def as_dict(self) -> dict[str, Any]:
         """The engine's fields and the host's, flat (the status page and the
@@ -78,6 +80,7 @@ class ModelStats:
             "name": self.name,
             "slot_class": self.slot_class,
             "admission_ceiling": self.admission_ceiling,
+            "ctx_per_slot": self.ctx_per_slot,
             "ceiling_reason": self.ceiling_reason,
             "plan": self.plan,
             "calibration": self.calibration,
