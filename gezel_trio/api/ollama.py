@@ -51,6 +51,7 @@ from ..engine.usage import token_counts
 from ..errors import EngineFailed, FieldError, GezelError, UnknownModel
 from ..host import Host, ModelRuntime
 from ..host.completion import Completion, Owner
+from ..host.limits import Clamp, fit_num_ctx
 from .auth import request_owner
 from .errors import json_response
 from .exchange import Counts, current_exchange
@@ -493,9 +494,7 @@ async def _prepared(
     runtime = _resolve(host, translated.model, session=session)
     _refuse_unsupported(runtime, translated)
     translated = check_against_model(
-        translated,
-        ctx_per_slot=runtime.config.ctx_per_slot,
-        has_projector=has_projector(runtime, host.config.engine.extra_args),
+        translated, has_projector=has_projector(runtime, host.config.engine.extra_args)
     )
     return host, runtime, translated, owner, RequestClock.start(runtime, started_ns)
 
@@ -505,6 +504,7 @@ async def _completion(translate: Callable[[Mapping[str, Any]], EngineRequest]) -
     Cancellation (the client left) stops the engine's generation."""
     host, runtime, translated, owner, clock = await _prepared(translate, owned=True)
     assert owner is not None
+    clamp = _fit_num_ctx(runtime, translated)
     if translated.load_only:
         return await _load_only(host, runtime, translated)
     upstream = Completion(
@@ -512,6 +512,7 @@ async def _completion(translate: Callable[[Mapping[str, Any]], EngineRequest]) -
         translated.body,
         "chat" if translated.path == CHAT_PATH else "native",
         stream=translated.stream,
+        clamps=() if clamp is None else (clamp,),
     )
     shaper = OllamaShaper(translated, clock)
 
@@ -524,6 +525,26 @@ async def _completion(translate: Callable[[Mapping[str, Any]], EngineRequest]) -
         done()
         raise
     return _after_answer(resp, done)
+
+
+def _fit_num_ctx(runtime: ModelRuntime, request: EngineRequest) -> Clamp | None:
+    """An ``options.num_ctx`` above the model's context per slot is served with that
+    context (llama-server cannot widen a slot per request; Ollama lowers a ``num_ctx``
+    above the model's trained context the same way), with a warning once per model
+    (and context): clients such as aider ask for 1.25 x the prompt + 8,192 on every
+    request. The clamp goes in the request's log line."""
+    ctx = runtime.config.ctx_per_slot
+    clamp = fit_num_ctx(request.num_ctx, ctx_per_slot=ctx)
+    if clamp is not None:
+        runtime.warn_once(
+            ("num_ctx", ctx),
+            f"options.num_ctx {clamp.asked} asked of {_public(runtime)!r} is more than its "
+            f"context per slot: served with {ctx} tokens (raise ctx_per_slot in its "
+            "[[models]] entry for more). Said once per model",
+            asked=clamp.asked,
+            served=ctx,
+        )
+    return clamp
 
 
 @bp.post("/api/chat")

@@ -36,6 +36,7 @@ from ..errors import EngineCrashed, EngineFailed, GezelError
 from ..front_guard import call_when_client_leaves
 from ..host import Host, ModelRuntime
 from ..host.completion import Completion, EngineAnswer, Item, Owner, StreamJob
+from ..host.limits import Clamp, clamp_fields
 from ..kv.sessions import session_hash
 from ..scheduler import Grant
 from .errors import response_for
@@ -253,7 +254,7 @@ async def proxy_completion(
     if completion.stream:
         return await _stream(host, runtime, completion, owner, shaper)
     answer = await host.completions.complete(runtime, completion, owner)
-    _note_for_log(owner.session, answer.grant)
+    _note_for_log(owner.session, answer.grant, clamps=answer.clamps)
     exchange = current_exchange()
     exchange.first_event_at = answer.first_event_at  # its TTFT
     result = answer.result
@@ -296,7 +297,7 @@ async def _stream(
                 first = await job.recv.receive()
             except trio.EndOfChannel:
                 err = job.error or EngineCrashed("the engine closed the stream before answering")
-                _note_for_log(job.session, job.grant)
+                _note_for_log(job.session, job.grant, clamps=job.clamps)
                 return response_for(err)
         if first is None:
             # Still queued or loading: commit to a 200 stream and keep the client (and
@@ -304,14 +305,14 @@ async def _stream(
             handed_off = True
             return _waiting_stream(host, job, shaper)
         if isinstance(first, GezelError):  # the job failed before the engine answered
-            _note_for_log(job.session, job.grant)
+            _note_for_log(job.session, job.grant, clamps=job.clamps)
             return response_for(first)
         if isinstance(first, bytes):  # pragma: no cover - the head always comes first
             raise EngineCrashed("the engine sent a body before its head")
         head = first
         if head.status != 200:
             chunks = [c async for c in job.recv if isinstance(c, bytes)]
-            _note_for_log(job.session, job.grant)
+            _note_for_log(job.session, job.grant, clamps=job.clamps)
             return shaper.failure(head.status, head.content_type, b"".join(chunks))
 
         async def body_iter() -> AsyncGenerator[bytes, None]:
@@ -323,7 +324,7 @@ async def _stream(
             finally:
                 job.scope.cancel()
 
-        _note_for_log(job.session, job.grant, shaper)
+        _note_for_log(job.session, job.grant, shaper, clamps=job.clamps)
         resp = Response(
             _JobBody(job, body_iter()),
             status=200,
@@ -470,9 +471,9 @@ def _waiting_stream(host: Host, job: StreamJob, shaper: Shaper) -> Response:
         finally:
             job.scope.cancel()
             # the request's log line is written after the body: give it the grant now
-            fields.update(_log_fields(job.session, job.grant, shaper))
+            fields.update(_log_fields(job.session, job.grant, shaper, clamps=job.clamps))
 
-    fields = _log_fields(job.session, None, shaper)
+    fields = _log_fields(job.session, None, shaper, clamps=job.clamps)
     current_exchange().log = fields
     resp = Response(
         _JobBody(job, body_iter()),
@@ -489,21 +490,26 @@ def _note_for_log(
     session: str | None,
     grant: Grant | None,
     shaper: Shaper | None = None,
+    *,
+    clamps: tuple[Clamp, ...] = (),
 ) -> None:
     """Hand the request log line what only the relay knows (see metrics_endpoint.log_request)."""
-    current_exchange().log = _log_fields(session, grant, shaper)
+    current_exchange().log = _log_fields(session, grant, shaper, clamps=clamps)
 
 
 def _log_fields(
     session: str | None,
     grant: Grant | None,
     shaper: Shaper | None = None,
+    *,
+    clamps: tuple[Clamp, ...] = (),
 ) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "session": session_hash(session),
         "slot": grant.slot_id if grant else None,
         "queue_wait_ms": round(grant.queue_wait_s * 1000, 2) if grant else None,
         "prepare_calls": grant.prepare_calls if grant else None,
+        "clamped": clamp_fields(clamps),
     }
     if shaper is not None:
         fields["counts"] = shaper.counts  # a stream's tokens, once the shaper read them

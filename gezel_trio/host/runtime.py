@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Hashable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -37,6 +37,7 @@ from ..kv.prefix import Prefix
 from ..kv.store import KvCompat, KvEntry, KvModelStats, KvStore, file_identity
 from ..scheduler.jobs import SlotMeasurement
 from .calibration import CalibrationState
+from .limits import OnceNotes
 from .metrics import Metrics
 from .snapshot import ModelStats
 
@@ -105,6 +106,8 @@ class ModelRuntime:
     metrics: Metrics | None = None
     last_benchmark: dict[str, Any] | None = None
     _crashes_seen: int = 0
+    notes: OnceNotes = field(default_factory=OnceNotes)
+    """The warnings given once per model (:meth:`warn_once`)."""
 
     # ------------------------------------------------------------------ setup
 
@@ -175,6 +178,14 @@ class ModelRuntime:
                 raise FieldError(
                     field, f"token id {t} is outside the model's vocabulary (0..{vocab - 1})"
                 )
+
+    def warn_once(self, key: Hashable, message: str, **fields: object) -> bool:
+        """Log ``message`` as a warning the first time ``key`` is noted for this model
+        (never again); whether it was logged now."""
+        if not self.notes.first(key):
+            return False
+        log.warning(message, extra={"fields": {"model": self.id, **fields}})
+        return True
 
     # ------------------------------------------------------------------ EngineLane
 
