@@ -1,9 +1,11 @@
-"""Limits a client overshoots are served as the engine serves them (gezel_trio.host.limits).
+"""Limits a client overshoots are served as the engine serves them, and what the engine
+drops silently the host says (gezel_trio.host.limits, gezel_trio.host.capabilities).
 
 Policy tests are plain; the integration tests measure a bare llama-server in the same
 test and assert that the host agrees: an output limit far above the slot's context is
 served (not refused) and generation stops when the slot is full; Ollama's ``num_ctx``
-above the slot is served and said once per model.
+above the slot is served and said once per model; SmolLM2's chat template renders no
+tools, which the host shows and warns about.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import ollama
 import pytest
 import trio
 
@@ -23,6 +26,7 @@ from gezel_trio.engine.argv import context_shift
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.real_model import find_smollm2
 from gezel_trio.errors import FieldError
+from gezel_trio.host.capabilities import engine_supports_tools, model_capabilities
 from gezel_trio.host.limits import (
     ENGINE_MAX,
     Clamp,
@@ -34,10 +38,26 @@ from gezel_trio.host.limits import (
 
 from ._engine_bin import ENGINE_LIMITS, open_llama_server
 from .conftest import make_config, running
+from .fault_tools import wait_until
 
 CTX = 256
 ASKED = 32_000  # what Claude Code asks
 COUNTING = "Count from 1 to 1000, separated by commas: 1, 2, 3, 4, 5,"
+TOOLS: Any = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+WEATHER: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +142,15 @@ def test_once_notes() -> None:
     assert notes.first("a") and not notes.first("a")
     assert notes.first("b") and notes.first("c")  # "a" is forgotten past the limit
     assert len(notes) == 2 and notes.first("a")
+
+
+def test_what_the_engine_says_of_its_template() -> None:
+    assert engine_supports_tools({"chat_template_caps": {"supports_tools": False}}) is False
+    assert engine_supports_tools({"chat_template_caps": {"supports_tools": True}}) is True
+    assert engine_supports_tools({"chat_template": "x"}) is None
+    assert engine_supports_tools(None) is None
+    assert model_capabilities(tools=False) == ("completion",)
+    assert model_capabilities(tools=True) == ("completion", "tools")
 
 
 # ============================================================================ the engine
@@ -325,6 +354,90 @@ async def test_num_ctx_above_the_slot_is_served_and_said_once(
         None,
         {"options.num_ctx": {"asked": 100_000, "served": 512}},
     ]
+
+
+async def test_a_template_without_tools_is_shown_and_said(
+    smollm2: Path, state_dir: Path, engine_binary: EngineBinary, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SmolLM2's chat template renders the same prompt with and without ``tools`` (the
+    engine's own caps say so): the host serves such requests, warns once per model, and
+    leaves ``tools`` out of the model's capabilities in /v1/models and /api/show, which
+    the real ollama client still parses."""
+    caplog.set_level(logging.INFO)
+    with trio.fail_after(300):
+        async with (
+            open_llama_server(smollm2, parallel=1, ctx=CTX) as bare,
+            httpx.AsyncClient(base_url=bare.base_url, limits=ENGINE_LIMITS) as direct,
+        ):
+            props = (await direct.get("/props")).json()
+            plain = (await direct.post("/apply-template", json={"messages": WEATHER})).json()
+            tooled = (
+                await direct.post("/apply-template", json={"messages": WEATHER, "tools": TOOLS})
+            ).json()
+            served = await direct.post(
+                "/v1/chat/completions", json={"messages": WEATHER, "tools": TOOLS, "max_tokens": 2}
+            )
+        # the engine's truth: it drops the tools silently
+        assert props["chat_template_caps"]["supports_tools"] is False
+        assert plain == tooled and plain["prompt"]
+        assert served.status_code == 200
+
+        cfg = make_config(
+            [ModelConfig(id="smollm2", path=str(smollm2), parallel=1, ctx_per_slot=CTX)],
+            state_dir=state_dir,
+            engine_binary=engine_binary,
+        )
+        async with running(cfg) as (host, http):
+            runtime = host.models["smollm2"]
+            # before the engine has run: a guess from the template's text (it names none)
+            listed = (await http.get("/v1/models")).json()["data"][0]
+            assert listed["capabilities"] == ["completion"]
+            for _ in range(2):
+                resp = await http.post(
+                    "/v1/chat/completions",
+                    json={"model": "smollm2", "messages": WEATHER, "tools": TOOLS, "max_tokens": 2},
+                )
+                assert resp.status_code == 200, resp.text
+
+            def warned() -> list[str]:
+                return [
+                    r.getMessage()
+                    for r in caplog.records
+                    if r.levelno == logging.WARNING and "does not render tools" in r.getMessage()
+                ]
+
+            await wait_until(lambda: bool(warned()), within=30, what="the tools warning")
+            assert runtime.engine_tools is False and runtime.tools_asked_now()
+            resp = await http.post(
+                "/v1/messages",
+                json={
+                    "model": "smollm2",
+                    "max_tokens": 2,
+                    "messages": WEATHER,
+                    "tools": [
+                        {
+                            "name": "get_weather",
+                            "input_schema": TOOLS[0]["function"]["parameters"],
+                        }
+                    ],
+                },
+            )
+            assert resp.status_code == 200, resp.text
+            listed = (await http.get("/v1/models")).json()["data"][0]
+            assert listed["capabilities"] == ["completion"]
+            base = str(http.base_url).rstrip("/")
+
+            def show() -> Any:
+                client = ollama.Client(host=base)
+                try:
+                    return client.show("smollm2")
+                finally:
+                    client.close()
+
+            shown = await trio.to_thread.run_sync(show)
+            assert list(shown.capabilities or []) == ["completion"]
+            assert shown.template and "tools" not in shown.template
+    assert len(warned()) == 1, warned()
 
 
 def test_the_warning_names_the_model_and_the_fix() -> None:

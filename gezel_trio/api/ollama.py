@@ -84,7 +84,6 @@ from .ollama_translate import (
     show_request,
     tags_body,
     template_supports_thinking,
-    template_supports_tools,
     version_body,
 )
 from .relay import proxy_completion
@@ -318,10 +317,14 @@ def _read_gguf_facts(facts: _FileFacts) -> _FileFacts:
 async def model_facts(runtime: ModelRuntime, *, extra_args: Sequence[str] = ()) -> ModelFacts:
     """What ``/api/tags``, ``/api/ps`` and ``/api/show`` say about a model: its file's
     size, date and digest and its GGUF header (read once per file version, in a
-    thread: cancellation waits for that read)."""
+    thread: cancellation waits for that read). Whether it takes tools is its engine's
+    word once asked (asked here once per engine process, when it runs), else a guess
+    from its chat template (:attr:`ModelRuntime.supports_tools`)."""
     config = runtime.config
     public = _public(runtime)
     embedding_only = config.embeddings or config.reranking
+    if not embedding_only:
+        await runtime.ask_engine_tools()
     if config.path is None:  # an external engine: nothing to stat
         digest = hashlib.sha256(f"external\0{config.url}".encode()).hexdigest()
         return ModelFacts(
@@ -330,7 +333,10 @@ async def model_facts(runtime: ModelRuntime, *, extra_args: Sequence[str] = ()) 
             modified_ns=runtime.created * 1_000_000_000,
             digest=digest,
             capabilities=model_capabilities(
-                completion=not embedding_only, embedding=config.embeddings, vision=True
+                completion=not embedding_only,
+                tools=runtime.engine_tools is True and not embedding_only,
+                embedding=config.embeddings,
+                vision=True,
             ),
             parameters=(("num_ctx", config.ctx_per_slot),),
         )
@@ -364,7 +370,7 @@ async def model_facts(runtime: ModelRuntime, *, extra_args: Sequence[str] = ()) 
         chat_template=template,
         capabilities=model_capabilities(
             completion=not embedding_only,
-            tools=not embedding_only and template_supports_tools(template),
+            tools=runtime.supports_tools,
             fim=not embedding_only and file.fim,
             vision=not embedding_only and has_projector(runtime, extra_args),
             embedding=config.embeddings,

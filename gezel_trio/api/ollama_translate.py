@@ -102,6 +102,11 @@ from datetime import UTC, datetime
 from typing import Any, Final, Literal
 
 from ..errors import FieldError, GezelError, UnknownModel
+from ..host.capabilities import (
+    model_capabilities,
+    template_supports_thinking,
+    template_supports_tools,
+)
 
 __all__ = [
     "CHAT_PATH",
@@ -1386,39 +1391,6 @@ def quantization_name(file_type: int | str | None) -> str:
     if 0 <= file_type < len(_FILE_TYPES) and _FILE_TYPES[file_type]:
         return _FILE_TYPES[file_type]
     return "unknown"
-
-
-def template_supports_tools(chat_template: str | None) -> bool:
-    """Whether a chat template renders tools (Ollama looks for ``tools`` in its
-    template's variables; a Jinja template names them the same way)."""
-    return bool(chat_template) and "tools" in str(chat_template)
-
-
-def template_supports_thinking(chat_template: str | None) -> bool:
-    """Whether a chat template has a thinking switch or thinking tags."""
-    text = chat_template or ""
-    return any(mark in text for mark in ("enable_thinking", "<think>", "reasoning_content"))
-
-
-def model_capabilities(
-    *,
-    completion: bool = True,
-    tools: bool = False,
-    fim: bool = False,
-    vision: bool = False,
-    embedding: bool = False,
-    thinking: bool = False,
-) -> tuple[str, ...]:
-    """Ollama's ``capabilities`` list, in its order."""
-    flags = (
-        ("completion", completion),
-        ("tools", tools),
-        ("insert", fim),
-        ("vision", vision),
-        ("embedding", embedding),
-        ("thinking", thinking),
-    )
-    return tuple(name for name, on in flags if on)
 
 
 @dataclass(frozen=True, slots=True)

@@ -952,6 +952,12 @@ SCHEMAS: dict[str, Any] = {
             "created": {"type": "integer"},
             "owned_by": {"enum": ["gezel-trio", "external"]},
             "state": {"enum": ["stopped", "starting", "ready", "stopping", "failed"]},
+            "capabilities": {
+                "type": "array",
+                "items": {"enum": ["completion", "tools", "embedding"]},
+                "description": "In the list: `tools` when the model's chat template renders "
+                "tools (the engine's `chat_template_caps`).",
+            },
         },
     },
     "ModelList": {

@@ -373,6 +373,28 @@ class CompletionService:
             return completion
         return replace(completion, body=fitted, clamps=completion.clamps + clamps)
 
+    def say_what_is_dropped(self, runtime: ModelRuntime, completion: Completion) -> None:
+        """Warn, once per model, when a request carries ``tools`` to a model whose chat
+        template does not render them: llama-server drops them silently (the prompt is
+        the same without them). The engine is asked once per process (``/props``), in
+        the host's tasks once it is ready; never waits, never raises."""
+        tools = completion.body.get("tools")
+        if not isinstance(tools, list) or not tools:
+            return
+        if runtime.tools_asked_now():
+            _warn_if_tools_dropped(runtime)
+            return
+        try:
+            self._host.tasks.start_soon(self._ask_then_say, runtime)
+        except RuntimeError:  # the host is shutting down
+            pass
+
+    async def _ask_then_say(self, runtime: ModelRuntime) -> None:
+        with trio.move_on_after(self._host.config.engine.load_timeout):
+            await runtime.engine.state.wait_value(EngineState.READY)
+            await runtime.ask_engine_tools()
+        _warn_if_tools_dropped(runtime)
+
     def _slot(
         self, runtime: ModelRuntime, owner: Owner, prefix: Prefix
     ) -> AbstractAsyncContextManager[tuple[ModelRuntime, Grant]]:
@@ -404,6 +426,7 @@ class CompletionService:
         client has none of it). Cancellation exits the slot and closes the upstream
         request."""
         completion = self.fit_limits(runtime, completion)
+        self.say_what_is_dropped(runtime, completion)
         prefix = prompt_blocks(completion.body)
         for attempt in (1, 2):
             try:
@@ -440,6 +463,7 @@ class CompletionService:
         again, once: to another replica, else to the restarted engine. Raises (400) at
         once for what the model cannot read (:meth:`fit_limits`)."""
         completion = self.fit_limits(runtime, completion)
+        self.say_what_is_dropped(runtime, completion)
         prefix = prompt_blocks(completion.body)
         send, recv = trio.open_memory_channel[Item](32)
         guarded = StallGuard(send, self._host.config.server.stream_stall_timeout)
@@ -543,6 +567,18 @@ class CompletionService:
                 )
                 self._resent += 1
                 runtime = self._resend_to(member, owner)
+
+
+def _warn_if_tools_dropped(runtime: ModelRuntime) -> None:
+    if runtime.engine_tools is False:
+        runtime.warn_once(
+            "tools dropped",
+            f"the chat template of {runtime.id!r} does not render tools: llama-server "
+            "drops a request's tools silently and the model never sees them. Serve a "
+            "model whose template supports tools, or give this one such a template "
+            "(--chat-template-file in its args)",
+            why="chat_template_caps.supports_tools is false",
+        )
 
 
 def _verify_restore(runtime: ModelRuntime, grant: Grant, counts: Counts) -> None:

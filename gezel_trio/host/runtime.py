@@ -37,6 +37,7 @@ from ..kv.prefix import Prefix
 from ..kv.store import KvCompat, KvEntry, KvModelStats, KvStore, file_identity
 from ..scheduler.jobs import SlotMeasurement
 from .calibration import CalibrationState
+from .capabilities import engine_supports_tools, template_supports_tools
 from .limits import OnceNotes
 from .metrics import Metrics
 from .snapshot import ModelStats
@@ -108,6 +109,10 @@ class ModelRuntime:
     _crashes_seen: int = 0
     notes: OnceNotes = field(default_factory=OnceNotes)
     """The warnings given once per model (:meth:`warn_once`)."""
+    _tools: tuple[int, bool] | None = None
+    """Whether the engine's chat template renders tools, as the engine said, and the
+    engine process (generation) that said it."""
+    _asking_tools: bool = False
 
     # ------------------------------------------------------------------ setup
 
@@ -186,6 +191,52 @@ class ModelRuntime:
             return False
         log.warning(message, extra={"fields": {"model": self.id, **fields}})
         return True
+
+    # ------------------------------------------------------------------ capabilities
+
+    @property
+    def engine_tools(self) -> bool | None:
+        """Whether the engine's chat template renders tools, as the engine said (its
+        process now, or the last one that answered); None: not asked yet."""
+        return None if self._tools is None else self._tools[1]
+
+    def tools_asked_now(self) -> bool:
+        """Whether the running engine process has been asked (:meth:`ask_engine_tools`)."""
+        return self._tools is not None and self._tools[0] == self.engine.generation
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the model takes ``tools``: the engine's word when it has been asked,
+        else a guess from the chat template's text (see :mod:`.capabilities`); never for
+        a model that serves embeddings or reranking only."""
+        if self.config.embeddings or self.config.reranking:
+            return False
+        said = self.engine_tools
+        if said is not None:
+            return said
+        return template_supports_tools(self.gguf.chat_template if self.gguf else None)
+
+    async def ask_engine_tools(self) -> bool | None:
+        """Ask the engine (``GET /props``, ``chat_template_caps``) whether its chat template
+        renders tools, once per engine process, when it is ready; the answer (None: it is
+        not ready, failed, or does not say). Never raises; cancellation abandons the call."""
+        if self.tools_asked_now():
+            return self.engine_tools
+        if not self.ready or self._asking_tools:
+            return None
+        generation = self.engine.generation
+        self._asking_tools = True
+        try:
+            props = await self.client.props()
+        except GezelError as exc:
+            log.info("the engine's /props did not answer: %s", exc.message)
+            return None
+        finally:
+            self._asking_tools = False
+        said = engine_supports_tools(props)
+        if said is not None and generation == self.engine.generation:
+            self._tools = (generation, said)
+        return said
 
     # ------------------------------------------------------------------ EngineLane
 
