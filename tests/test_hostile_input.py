@@ -168,7 +168,7 @@ def _field_cases() -> list[tuple[str, str, dict[str, Any], int]]:
         ("max_tokens string", chat, {**base, "max_tokens": "10"}),
         ("max_tokens float", chat, {**base, "max_tokens": 1.5}),
         ("max_tokens bool", chat, {**base, "max_tokens": True}),
-        ("max_tokens negative", chat, {**base, "max_tokens": -1}),
+        ("max_tokens negative", chat, {**base, "max_tokens": -2}),
         ("max_tokens huge", chat, {**base, "max_tokens": 10**12}),
         ("max_tokens 2**64", chat, {**base, "max_tokens": 2**64}),
         ("max_tokens 10**400", chat, {**base, "max_tokens": 10**400}),

@@ -312,6 +312,39 @@ async def test_output_limits_over_the_context_are_served_as_the_engine_serves_th
     assert sum(1 for f in logged if f["path"] == "/v1/chat/completions" and f["clamped"]) == 2
 
 
+async def test_no_limit_is_served_as_the_engine_serves_it(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    """-1 is llama-server's "no limit" on every route (it stops when the slot is full;
+    -2 is its 400): the host takes it on the chat, Messages and Responses routes too."""
+    chat = {"messages": [{"role": "user", "content": "Tell me a story."}], "temperature": 0}
+    cases: list[tuple[str, dict[str, Any]]] = [
+        ("/v1/chat/completions", {**chat, "max_tokens": -1, "ignore_eos": True}),
+        ("/v1/chat/completions", {**chat, "max_completion_tokens": -1, "ignore_eos": True}),
+        ("/v1/messages", {**chat, "model": "tiny", "max_tokens": -1}),
+        ("/v1/responses", {"input": "Tell me a story.", "max_output_tokens": -1}),
+        ("/v1/chat/completions", {**chat, "max_tokens": -2}),
+    ]
+    with trio.fail_after(300):
+        async with (
+            open_llama_server(tiny_model, parallel=1, ctx=CTX) as bare,
+            httpx.AsyncClient(base_url=bare.base_url, limits=ENGINE_LIMITS) as direct,
+        ):
+            engine = [(await _post(direct, path, body)).status_code for path, body in cases]
+            filled = _chat_outcome(await _post(direct, *cases[0]))
+        assert engine == [200, 200, 200, 200, 400], engine
+        assert filled == (200, "length", CTX), filled
+        cfg = make_config(
+            [ModelConfig(id="tiny", path=str(tiny_model), parallel=1, ctx_per_slot=CTX)],
+            state_dir=state_dir,
+            engine_binary=engine_binary,
+        )
+        async with running(cfg) as (_, http):
+            host = [(await _post(http, path, body)).status_code for path, body in cases]
+            assert _chat_outcome(await _post(http, *cases[0])) == filled
+    assert host == engine
+
+
 async def test_num_ctx_above_the_slot_is_served_and_said_once(
     tiny_model: Path, state_dir: Path, engine_binary: EngineBinary, caplog: pytest.LogCaptureFixture
 ) -> None:

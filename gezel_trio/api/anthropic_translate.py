@@ -198,7 +198,9 @@ def _model(model: object) -> str:
 
 
 def _max_tokens(value: object) -> int:
-    if not _is_int(value) or value < 1:
+    """At least 1, or -1 (no limit: llama-server's own /v1/messages takes it and stops
+    when the slot is full)."""
+    if not _is_int(value) or (value < 1 and value != -1):
         raise FieldError("max_tokens", "required: an integer >= 1, the most tokens to generate")
     return value
 

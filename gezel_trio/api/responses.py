@@ -55,8 +55,11 @@ def check_responses_body(body: dict[str, Any]) -> None:
     if "stream" in body and not isinstance(body["stream"], bool):
         raise FieldError("stream", "expected true or false")
     limit = body.get("max_output_tokens")
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-        raise FieldError("max_output_tokens", "expected a positive integer")
+    if limit is not None and (
+        not isinstance(limit, int) or isinstance(limit, bool) or (limit < 1 and limit != -1)
+    ):
+        # -1: no limit, as the engine takes it (it stops when the slot is full)
+        raise FieldError("max_output_tokens", "expected a positive integer (or -1: no limit)")
     key = body.get("prompt_cache_key")
     if key is not None and (not isinstance(key, str) or len(key) > 512):
         raise FieldError("prompt_cache_key", "expected a string of at most 512 characters")
