@@ -358,7 +358,8 @@ class CompletionService:
     @staticmethod
     def fit_limits(runtime: ModelRuntime, completion: Completion) -> Completion:
         """``completion`` as the engine will serve it: refused (400) for token ids out
-        of the model's vocabulary (llama-server answers 500, or worse); an output limit
+        of the model's vocabulary (llama-server answers 500, or worse) and for an output
+        limit the engine cannot read (above 2**31 - 1, its own 400); an output limit
         above a slot's context lowered to that context, which the engine serves exactly
         as the client's value (it stops when the slot is full; see :mod:`.limits`), the
         clamp added to ``completion.clamps``."""
