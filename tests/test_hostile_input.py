@@ -168,11 +168,10 @@ def _field_cases() -> list[tuple[str, str, dict[str, Any], int]]:
         ("max_tokens string", chat, {**base, "max_tokens": "10"}),
         ("max_tokens float", chat, {**base, "max_tokens": 1.5}),
         ("max_tokens bool", chat, {**base, "max_tokens": True}),
-        ("max_tokens negative", chat, {**base, "max_tokens": -1}),
+        ("max_tokens negative", chat, {**base, "max_tokens": -2}),
         ("max_tokens huge", chat, {**base, "max_tokens": 10**12}),
         ("max_tokens 2**64", chat, {**base, "max_tokens": 2**64}),
         ("max_tokens 10**400", chat, {**base, "max_tokens": 10**400}),
-        ("max_tokens over ctx", chat, {**base, "max_tokens": CTX + 1}),
         ("max_completion_tokens negative", chat, {**base, "max_completion_tokens": -5}),
         ("temperature string", chat, {**base, "temperature": "hot"}),
         ("temperature negative", chat, {**base, "temperature": -1}),
@@ -238,6 +237,8 @@ ACCEPTED: list[tuple[str, str, dict[str, Any], int]] = [
     ),
     ("max_tokens zero", "/v1/chat/completions", {**VALID, "max_tokens": 0}, 200),
     ("max_tokens at ctx", "/v1/completions", {"prompt": "a", "max_tokens": CTX // 2}, 200),
+    # the engine serves it and stops when the slot is full: the host clamps it
+    ("max_tokens over ctx", "/v1/chat/completions", {**VALID, "max_tokens": CTX + 1}, 200),
     ("client id_slot is replaced", "/v1/chat/completions", {**VALID, "id_slot": 99}, 200),
     ("negative id_slot", "/v1/chat/completions", {**VALID, "id_slot": -7}, 200),
     (

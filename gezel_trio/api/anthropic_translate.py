@@ -219,11 +219,14 @@ def _model(model: object) -> str | None:
 
 def _max_tokens(value: object) -> int | None:
     """Anthropic requires it; the engine does not (none: generate until the end of the
-    turn or of the slot), and takes 0 as well, so the host does too."""
+    turn or of the slot), and takes 0 and -1 (no limit: it stops when the slot is full)
+    as well, so the host does too."""
     if value is None:
         return None
-    if not _is_int(value) or value < 0:
-        raise FieldError("max_tokens", "expected an integer >= 0, the most tokens to generate")
+    if not _is_int(value) or value < -1:
+        raise FieldError(
+            "max_tokens", "expected an integer >= 0 (or -1: no limit), the most tokens to generate"
+        )
     return value
 
 

@@ -201,7 +201,9 @@ def log_request(
     activity: Activity | None = None,
 ) -> None:
     """The one structured line per request: model, session hash, slot, queue wait,
-    TTFT, tokens, status. ``fields`` carries what the relay knew (session, slot, wait)."""
+    TTFT, tokens, status, and what was clamped (``clamped``: ``{field: {"asked": n,
+    "served": m}}``, see :mod:`gezel_trio.host.limits`). ``fields`` carries what the
+    relay knew (session, slot, wait, clamps)."""
     prompt, cached, completion = counts
     if activity is not None:
         activity.record(
@@ -232,6 +234,7 @@ def log_request(
                 "prompt_tokens": prompt,
                 "cached_tokens": cached,
                 "completion_tokens": completion,
+                "clamped": fields.get("clamped"),
                 "path": fields.get("path") or (request.path if _in_request() else None),
             }
         },

@@ -51,6 +51,7 @@ from ..engine.usage import token_counts
 from ..errors import EngineFailed, FieldError, GezelError, UnknownModel
 from ..host import Host, ModelRuntime
 from ..host.completion import Completion, Owner
+from ..host.limits import Clamp, fit_num_ctx
 from .auth import request_owner
 from .errors import json_response
 from .exchange import Counts, current_exchange
@@ -83,7 +84,6 @@ from .ollama_translate import (
     show_request,
     tags_body,
     template_supports_thinking,
-    template_supports_tools,
     version_body,
 )
 from .relay import proxy_completion
@@ -323,10 +323,14 @@ def _num_ctx(runtime: ModelRuntime) -> tuple[tuple[str, Any], ...]:
 async def model_facts(runtime: ModelRuntime, *, extra_args: Sequence[str] = ()) -> ModelFacts:
     """What ``/api/tags``, ``/api/ps`` and ``/api/show`` say about a model: its file's
     size, date and digest and its GGUF header (read once per file version, in a
-    thread: cancellation waits for that read)."""
+    thread: cancellation waits for that read). Whether it takes tools is its engine's
+    word once asked (asked here once per engine process, when it runs), else a guess
+    from its chat template (:attr:`ModelRuntime.supports_tools`)."""
     config = runtime.config
     public = _public(runtime)
     embedding_only = config.embeddings or config.reranking
+    if not embedding_only:
+        await runtime.ask_engine_tools()
     if config.path is None:  # an external engine: nothing to stat
         digest = hashlib.sha256(f"external\0{config.url}".encode()).hexdigest()
         return ModelFacts(
@@ -335,7 +339,10 @@ async def model_facts(runtime: ModelRuntime, *, extra_args: Sequence[str] = ()) 
             modified_ns=runtime.created * 1_000_000_000,
             digest=digest,
             capabilities=model_capabilities(
-                completion=not embedding_only, embedding=config.embeddings, vision=True
+                completion=not embedding_only,
+                tools=runtime.engine_tools is True and not embedding_only,
+                embedding=config.embeddings,
+                vision=True,
             ),
             ctx_per_slot=runtime.ctx_per_slot,
             parameters=_num_ctx(runtime),
@@ -371,7 +378,7 @@ async def model_facts(runtime: ModelRuntime, *, extra_args: Sequence[str] = ()) 
         chat_template=template,
         capabilities=model_capabilities(
             completion=not embedding_only,
-            tools=not embedding_only and template_supports_tools(template),
+            tools=runtime.supports_tools,
             fim=not embedding_only and file.fim,
             vision=not embedding_only and has_projector(runtime, extra_args),
             embedding=config.embeddings,
@@ -500,9 +507,7 @@ async def _prepared(
     runtime = _resolve(host, translated.model, session=session)
     _refuse_unsupported(runtime, translated)
     translated = check_against_model(
-        translated,
-        ctx_per_slot=runtime.ctx_per_slot,
-        has_projector=has_projector(runtime, host.config.engine.extra_args),
+        translated, has_projector=has_projector(runtime, host.config.engine.extra_args)
     )
     return host, runtime, translated, owner, RequestClock.start(runtime, started_ns)
 
@@ -512,6 +517,7 @@ async def _completion(translate: Callable[[Mapping[str, Any]], EngineRequest]) -
     Cancellation (the client left) stops the engine's generation."""
     host, runtime, translated, owner, clock = await _prepared(translate, owned=True)
     assert owner is not None
+    clamp = _fit_num_ctx(runtime, translated)
     if translated.load_only:
         return await _load_only(host, runtime, translated)
     upstream = Completion(
@@ -519,6 +525,7 @@ async def _completion(translate: Callable[[Mapping[str, Any]], EngineRequest]) -
         translated.body,
         "chat" if translated.path == CHAT_PATH else "native",
         stream=translated.stream,
+        clamps=() if clamp is None else (clamp,),
     )
     shaper = OllamaShaper(translated, clock)
 
@@ -531,6 +538,28 @@ async def _completion(translate: Callable[[Mapping[str, Any]], EngineRequest]) -
         done()
         raise
     return _after_answer(resp, done)
+
+
+def _fit_num_ctx(runtime: ModelRuntime, request: EngineRequest) -> Clamp | None:
+    """An ``options.num_ctx`` above the model's context per slot is served with that
+    context (llama-server cannot widen a slot per request; Ollama lowers a ``num_ctx``
+    above the model's trained context the same way), with a warning once per model
+    (and context): clients such as aider ask for 1.25 x the prompt + 8,192 on every
+    request. The clamp goes in the request's log line."""
+    ctx = runtime.ctx_per_slot
+    if ctx is None:  # not known yet (an external engine never seen): nothing to fit to
+        return None
+    clamp = fit_num_ctx(request.num_ctx, ctx_per_slot=ctx)
+    if clamp is not None:
+        runtime.warn_once(
+            ("num_ctx", ctx),
+            f"options.num_ctx {clamp.asked} asked of {_public(runtime)!r} is more than its "
+            f"context per slot: served with {ctx} tokens (raise ctx_per_slot in its "
+            "[[models]] entry for more). Said once per model",
+            asked=clamp.asked,
+            served=ctx,
+        )
+    return clamp
 
 
 @bp.post("/api/chat")

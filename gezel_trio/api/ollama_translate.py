@@ -29,7 +29,8 @@ Request fields
   ``temperature``, ``top_k``, ``top_p``, ``min_p``, ``typical_p``, ``seed``,
   ``stop``, ``repeat_penalty``, ``repeat_last_n``, ``presence_penalty``,
   ``frequency_penalty``, ``num_keep`` (``n_keep``), ``mirostat*``. ``num_ctx`` is
-  returned for a check against the model (:func:`check_against_model`). Runner
+  returned: the host serves the slot's context whatever it asks (see
+  :mod:`gezel_trio.host.limits`). Runner
   options (``num_gpu``, ``num_thread``, ``use_mmap`` ...) and unknown ones are
   ignored, as Ollama ignores unknown ones.
 - ``format``: ``"json"`` -> ``response_format`` ``json_object`` (``json_schema``
@@ -96,11 +97,16 @@ import math
 import re
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final, Literal
 
 from ..errors import FieldError, GezelError, UnknownModel
+from ..host.capabilities import (
+    model_capabilities,
+    template_supports_thinking,
+    template_supports_tools,
+)
 
 __all__ = [
     "CHAT_PATH",
@@ -386,33 +392,18 @@ class EngineRequest:
         return model_id_candidates(self.model)
 
 
-def check_against_model(
-    request: EngineRequest, *, ctx_per_slot: int | None, has_projector: bool
-) -> EngineRequest:
-    """Check a request against the model that will serve it, and fit it.
-
-    ``options.num_ctx`` above ``ctx_per_slot`` and images for a model without a
-    projector are a 400 naming the field. A token limit above ``ctx_per_slot`` is
-    lowered to it (Ollama bounds ``num_predict`` by the context the same way).
-    ``ctx_per_slot`` None (not known yet): neither is checked.
+def check_against_model(request: EngineRequest, *, has_projector: bool) -> EngineRequest:
+    """Check a request against the model that will serve it: images for a model without
+    a projector are a 400 naming the field. (``options.num_ctx`` and ``num_predict``
+    above the model's context are served with that context, as Ollama lowers them:
+    see :mod:`gezel_trio.host.limits`.)
     """
-    if request.num_ctx is not None and ctx_per_slot is not None and request.num_ctx > ctx_per_slot:
-        raise FieldError(
-            "options.num_ctx",
-            f"{request.num_ctx} is more than this model's context per slot "
-            f"({ctx_per_slot} tokens); ask for at most {ctx_per_slot}, or raise the model's "
-            "ctx_per_slot in the config",
-        )
     if request.images and not has_projector:
         raise FieldError(
             "images",
             f"the model {request.model!r} has no multimodal projector, so it cannot read "
             "images (put its mmproj*.gguf beside it, or pick a vision model)",
         )
-    key = "max_tokens" if request.path == CHAT_PATH else "n_predict"
-    limit = request.body.get(key)
-    if isinstance(limit, int) and ctx_per_slot is not None and limit > ctx_per_slot:
-        return replace(request, body={**request.body, key: ctx_per_slot})
     return request
 
 
@@ -1400,39 +1391,6 @@ def quantization_name(file_type: int | str | None) -> str:
     if 0 <= file_type < len(_FILE_TYPES) and _FILE_TYPES[file_type]:
         return _FILE_TYPES[file_type]
     return "unknown"
-
-
-def template_supports_tools(chat_template: str | None) -> bool:
-    """Whether a chat template renders tools (Ollama looks for ``tools`` in its
-    template's variables; a Jinja template names them the same way)."""
-    return bool(chat_template) and "tools" in str(chat_template)
-
-
-def template_supports_thinking(chat_template: str | None) -> bool:
-    """Whether a chat template has a thinking switch or thinking tags."""
-    text = chat_template or ""
-    return any(mark in text for mark in ("enable_thinking", "<think>", "reasoning_content"))
-
-
-def model_capabilities(
-    *,
-    completion: bool = True,
-    tools: bool = False,
-    fim: bool = False,
-    vision: bool = False,
-    embedding: bool = False,
-    thinking: bool = False,
-) -> tuple[str, ...]:
-    """Ollama's ``capabilities`` list, in its order."""
-    flags = (
-        ("completion", completion),
-        ("tools", tools),
-        ("insert", fim),
-        ("vision", vision),
-        ("embedding", embedding),
-        ("thinking", thinking),
-    )
-    return tuple(name for name, on in flags if on)
 
 
 @dataclass(frozen=True, slots=True)

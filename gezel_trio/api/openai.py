@@ -18,7 +18,8 @@ from quart import Blueprint, Response, request
 
 from ..engine.assemble import Shape
 from ..errors import FieldError
-from ..host import Host
+from ..host import Host, ModelRuntime
+from ..host.capabilities import model_capabilities
 from ..host.completion import Completion
 from .auth import request_owner
 from .errors import json_response
@@ -153,6 +154,24 @@ async def audio_transcriptions() -> Response:
     )
 
 
+async def _capabilities(rt: ModelRuntime) -> list[str]:
+    """What the model can do, in the names llama-server's own ``/v1/models`` and
+    Ollama's ``/api/show`` use: ``completion``, ``tools`` (its chat template renders
+    them: the engine's word once asked, asked here once per engine process; see
+    :attr:`ModelRuntime.supports_tools`), ``embedding``."""
+    config = rt.config
+    embedding_only = config.embeddings or config.reranking
+    if not embedding_only:
+        await rt.ask_engine_tools()
+    return list(
+        model_capabilities(
+            completion=not embedding_only,
+            tools=rt.supports_tools,
+            embedding=config.embeddings,
+        )
+    )
+
+
 @bp.get("/v1/models")
 @bp.get("/models")
 async def list_models() -> Response:
@@ -162,6 +181,7 @@ async def list_models() -> Response:
         members = host.replica_members(public)
         rt = members[0] if members else host.models[public]
         ready = [m for m in members if m.engine.state.value.value == "ready"]
+        capabilities = await _capabilities(ready[0] if ready else rt)
         data.append(
             {
                 "id": public,
@@ -172,6 +192,7 @@ async def list_models() -> Response:
                 "state": (ready[0] if ready else rt).engine.state.value.value,
                 "parallel": sum(m.slot_count for m in members) if members else rt.slot_count,
                 "ctx_per_slot": rt.ctx_per_slot,
+                "capabilities": capabilities,
                 **({"replicas": [m.id for m in members]} if members else {}),
                 # llama-server's own /v1/models carries these; clients (and the bench
                 # harness) read the vocabulary and context from here.

@@ -349,9 +349,8 @@ def _ollama_model_op(
                 "200": ok,
                 "400": _ollama_err(
                     "Malformed JSON, a field of the wrong type (the message names it), "
-                    "`options.num_ctx` above the model's `ctx_per_slot`, `images` for a model "
-                    "without a projector, a model that does not serve this route, or the "
-                    "engine's own 400."
+                    "`images` for a model without a projector, a model that does not serve "
+                    "this route, or the engine's own 400."
                 ),
                 "401": OLLAMA_401,
                 "404": OLLAMA_404,
@@ -953,6 +952,12 @@ SCHEMAS: dict[str, Any] = {
             "created": {"type": "integer"},
             "owned_by": {"enum": ["gezel-trio", "external"]},
             "state": {"enum": ["stopped", "starting", "ready", "stopping", "failed"]},
+            "capabilities": {
+                "type": "array",
+                "items": {"enum": ["completion", "tools", "embedding"]},
+                "description": "In the list: `tools` when the model's chat template renders "
+                "tools (the engine's `chat_template_caps`).",
+            },
         },
     },
     "ModelList": {
@@ -992,8 +997,9 @@ _OLLAMA_OPTIONS = {
     "type": "object",
     "description": "`num_predict`, `temperature`, `top_k`, `top_p`, `min_p`, `typical_p`, "
     "`seed`, `stop`, `repeat_penalty`, `repeat_last_n`, `presence_penalty`, "
-    "`frequency_penalty`, `num_keep`, `mirostat*`; `num_ctx` at most the model's "
-    "`ctx_per_slot` (above it: 400). Other options are ignored, as Ollama ignores them.",
+    "`frequency_penalty`, `num_keep`, `mirostat*`; `num_ctx` is served with the model's "
+    "`ctx_per_slot`, and `num_predict` above it is lowered to it (never a 400). Other "
+    "options are ignored, as Ollama ignores them.",
 }
 _OLLAMA_FORMAT = {
     "description": '`"json"`, or a JSON schema the answer must match.',

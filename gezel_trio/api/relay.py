@@ -39,6 +39,7 @@ from ..errors import EngineCrashed, EngineFailed, GezelError
 from ..front_guard import call_when_client_leaves
 from ..host import Host, ModelRuntime
 from ..host.completion import Completion, EngineAnswer, Item, Owner, Progress, StreamJob
+from ..host.limits import clamp_fields
 from ..kv.sessions import session_hash
 from ..scheduler import Grant
 from .errors import response_for
@@ -259,6 +260,7 @@ async def proxy_completion(
         return await _stream(host, runtime, completion, owner, shaper)
     exchange.progress = progress = Progress()  # read by the request's record, even if cut
     answer = await host.completions.complete(runtime, completion, owner, progress)
+    exchange.log["clamped"] = clamp_fields(answer.clamps)
     result = answer.result
     if isinstance(result, EngineAnswer):
         return shaper.failure(result.status, result.content_type, result.content)
@@ -291,6 +293,7 @@ async def _stream(
     job = host.completions.start_stream(runtime, completion, owner)
     exchange = current_exchange()
     exchange.progress = job.progress
+    exchange.log["clamped"] = clamp_fields(job.clamps)
     _end_when_client_leaves(job)
     handed_off = False
     try:
@@ -490,4 +493,4 @@ def _waiting_stream(host: Host, job: StreamJob, shaper: Shaper) -> Response:
 def _log_fields(session: str | None) -> dict[str, Any]:
     """What the request log line gets from the relay itself (see
     :func:`~.metrics_endpoint.record_exchange`, which adds the grant's slot and wait)."""
-    return {"session": session_hash(session)}
+    return {"session": session_hash(session), "clamped": None}

@@ -60,8 +60,9 @@ def check_responses_body(body: dict[str, Any]) -> None:
     if "stream" in body and not isinstance(body["stream"], bool):
         raise FieldError("stream", "expected true or false")
     limit = body.get("max_output_tokens")
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
-        raise FieldError("max_output_tokens", "expected an integer >= 0")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < -1):
+        # 0 and -1 (no limit: it stops when the slot is full) as the engine takes them
+        raise FieldError("max_output_tokens", "expected an integer >= 0 (or -1: no limit)")
     key = body.get("prompt_cache_key")
     if key is not None and (not isinstance(key, str) or len(key) > 512):
         raise FieldError("prompt_cache_key", "expected a string of at most 512 characters")

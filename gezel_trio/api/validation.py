@@ -116,10 +116,8 @@ def check_completion_body(body: dict[str, Any], *, kind: str) -> None:
         if v is not None:
             if not _is_int(v):
                 raise FieldError(name, "expected an integer")
-            if v < -1 and name == "n_predict":
+            if v < -1:  # -1: no limit (the engine's; it stops when the slot is full)
                 raise FieldError(name, "expected -1 (no limit) or a non-negative integer")
-            if v < 0 and name != "n_predict":
-                raise FieldError(name, "expected a non-negative integer")
     for name in (
         "temperature",
         "top_p",

@@ -49,7 +49,7 @@ def _ms(value: object) -> str | None:
 class TextFormatter(logging.Formatter):
     """``HH:MM:SS.mmm LEVEL  message  key=value ...`` in local time. A lifecycle event
     (a record with an ``event`` field) says everything in its message; a request is one
-    line: path, model, status, times, tokens, session and slot."""
+    line: path, model, status, times, tokens, what was clamped, session and slot."""
 
     def format(self, record: logging.LogRecord) -> str:
         stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
@@ -94,6 +94,16 @@ class TextFormatter(logging.Formatter):
                 tokens += f" ({cached} cached)"
             tokens += f", {completion if completion is not None else '?'} out"
             parts.append(tokens)
+        clamped = f.get("clamped")
+        if isinstance(clamped, dict) and clamped:
+            parts.append(
+                "clamped "
+                + ", ".join(
+                    f"{name} {c.get('asked')} -> {c.get('served')}"
+                    for name, c in clamped.items()
+                    if isinstance(c, dict)
+                )
+            )
         for key in ("session", "slot"):
             if f.get(key) is not None:
                 parts.append(f"{key}={f[key]}")

@@ -52,6 +52,20 @@ def last_arg_value(args: Sequence[str], flag: str) -> str | None:
     return value
 
 
+def context_shift(args: Sequence[str]) -> bool:
+    """Whether llama-server runs with context shift (``--context-shift``; off by default
+    on b10435, and the last of ``--context-shift``/``--no-context-shift`` wins):
+    with it, a slot that fills up drops old tokens and generates on; without it,
+    generation stops when the slot is full."""
+    on = False
+    for arg in args:
+        if arg == "--context-shift":
+            on = True
+        elif arg == "--no-context-shift":
+            on = False
+    return on
+
+
 def kv_shape_flags(args: Sequence[str]) -> tuple[tuple[str, str], ...]:
     """The KV-shaping flags of an argv as the engine reads them (last occurrence wins;
     absent flags read as ``default``): cache types, flash attention, full-size SWA

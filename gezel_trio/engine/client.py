@@ -415,6 +415,19 @@ class EngineClient:
             return None
         return rows if isinstance(rows, list) else None
 
+    async def props(self, *, answer_within: float = 5.0) -> dict[str, Any] | None:
+        """``GET /props``: the engine's properties (its chat template and what the
+        engine found it can render, ``chat_template_caps``), or ``None`` when it answers
+        something other than a JSON object. Raises a project error on failure."""
+        resp = await self._control("GET", "/props", action="props", answer_within=answer_within)
+        if resp.status_code != 200:
+            return None
+        try:
+            body = resp.json()
+        except ValueError:
+            return None
+        return body if isinstance(body, dict) else None
+
     async def slot_action(
         self,
         slot: int,

@@ -26,6 +26,7 @@ This module is synchronous file I/O: call it from Trio through
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -114,6 +115,8 @@ class GGUFInfo:
     recurrent_state_bytes_per_layer: int | None = None
     sliding_window: int | None = None
     expert_count: int | None = None
+    #: ``tokenizer.chat_template`` (None: the file has none).
+    chat_template: str | None = dataclasses.field(default=None, repr=False)
 
     @property
     def head_dim_k(self) -> int:
@@ -415,4 +418,7 @@ def _info_from_reader(reader: Any, path: str, file_size: int) -> GGUFInfo:
         ),
         sliding_window=_int_or_none(key("{arch}.attention.sliding_window")),
         expert_count=_int_or_none(key("{arch}.expert_count")),
+        chat_template=template
+        if isinstance(template := kv.get("tokenizer.chat_template"), str)
+        else None,
     )

@@ -5,6 +5,8 @@ served (open, retire, reconfigure, reload, a models folder); :mod:`.runtime` a
 model as the scheduler sees it; :mod:`.placement` an engine's binary, argv and
 memory reservation; :mod:`.completion` the completion service (a slot for a
 request's owner, sent pinned, resent before its first byte, assembled);
+:mod:`.limits` what a request that overshoots a limit is served instead;
+:mod:`.capabilities` what a model can do, as clients are told;
 :mod:`.calibration` the co-batch verdicts; :mod:`.watchers` memory pressure and
 device health; :mod:`.activity` the request series of the status page;
 :mod:`.snapshot` the typed host snapshot; :mod:`.metrics` the Prometheus collector.

@@ -4,7 +4,9 @@ A dialect (``gezel_trio.api``) parses its own shape, resolves the model once and
 hands over a :class:`Completion`: the engine route, the body, and how a
 non-streamed answer is assembled. From there every completion takes one path:
 
-- its limits are checked against the model (:meth:`CompletionService.check_limits`);
+- its limits are fitted to the model (:meth:`CompletionService.fit_limits`): token ids
+  out of its vocabulary are a 400, an output limit above a slot's context is lowered
+  to it (:mod:`.limits`), and the answer says so (``clamps``, for the request log);
 - it takes a slot for its :class:`Owner` with ``async with host.completion_slot(...)``,
   placed by the blocks of its prompt (:func:`prompt_blocks`);
 - it is sent pinned to that slot (``id_slot``; ``cache_prompt`` off when blind);
@@ -34,21 +36,23 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import trio
 
 from ..config.schema import Config
+from ..engine.argv import context_shift
 from ..engine.assemble import Shape, StreamAssembler
 from ..engine.client import UpstreamHead
 from ..engine.sse import SseDecoder
 from ..engine.supervisor import EngineState
 from ..engine.usage import Counts, StreamTail, generated_in, token_counts
-from ..errors import EngineAbandoned, EngineCrashed, EngineFailed, FieldError, GezelError
+from ..errors import EngineAbandoned, EngineCrashed, EngineFailed, GezelError
 from ..kv.prefix import Header
 from ..kv.sessions import session_hash
 from ..scheduler import Grant, Prefix, prefix_blocks
+from .limits import ENGINE_MAX, Clamp, fit_output_limits
 from .runtime import ModelRuntime
 from .snapshot import CompletionStats
 
@@ -89,13 +93,16 @@ class Owner:
 class Completion:
     """What one completion sends to its engine: the route, the body (the service adds
     ``id_slot`` and ``cache_prompt``), whether it is streamed to the client, and how a
-    non-streamed answer is assembled from the engine's stream."""
+    non-streamed answer is assembled from the engine's stream. ``clamps``: what of the
+    client's request the host serves less of than asked (a dialect's own, such as
+    Ollama's ``num_ctx``; the service adds the output limits it lowers)."""
 
     path: str
     body: dict[str, Any]
     shape: Shape
     stream: bool
     keep_tokens: bool = False
+    clamps: tuple[Clamp, ...] = ()
 
 
 @dataclass(slots=True)
@@ -148,6 +155,8 @@ class Answer:
     counts: Counts
     """The answer's (prompt, cached, completion) tokens, read once (all None for an
     engine's error answer)."""
+    clamps: tuple[Clamp, ...] = ()
+    """What the request asked more of than it was served (see :class:`Completion`)."""
 
 
 Item = UpstreamHead | bytes | GezelError
@@ -351,6 +360,8 @@ class StreamJob:
     runtime: ModelRuntime
     session: str | None
     progress: Progress = field(default_factory=Progress)
+    clamps: tuple[Clamp, ...] = ()
+    """What the request asked more of than it is served (see :class:`Completion`)."""
     error: GezelError | None = None
     client_left: bool = False
     reading: trio.Event = field(default_factory=trio.Event)
@@ -401,21 +412,46 @@ class CompletionService:
         return f"<CompletionService of {self._host!r}>"
 
     @staticmethod
-    def check_limits(runtime: ModelRuntime, body: dict[str, Any]) -> None:
-        """Refuse (400) what the engine's slot cannot hold: token ids out of its
-        vocabulary, or more tokens to generate than a slot's context."""
+    def fit_limits(runtime: ModelRuntime, completion: Completion) -> Completion:
+        """``completion`` as the engine will serve it: refused (400) for token ids out
+        of the model's vocabulary (llama-server answers 500, or worse) and for an output
+        limit the engine cannot read (above 2**31 - 1, its own 400); an output limit
+        above a slot's context lowered to that context, which the engine serves exactly
+        as the client's value (it stops when the slot is full; see :mod:`.limits`), the
+        clamp added to ``completion.clamps``."""
+        body = completion.body
         runtime.check_token_ids(body.get("prompt"), "prompt")
         ctx = runtime.ctx_per_slot
-        if ctx is None:
+        fitted, clamps = fit_output_limits(
+            body,
+            ctx_per_slot=ENGINE_MAX if ctx is None else ctx,  # unknown yet: lower nothing
+            context_shift=context_shift(runtime.engine.argv or runtime.config.args),
+        )
+        if not clamps:
+            return completion
+        return replace(completion, body=fitted, clamps=completion.clamps + clamps)
+
+    def say_what_is_dropped(self, runtime: ModelRuntime, completion: Completion) -> None:
+        """Warn, once per model, when a request carries ``tools`` to a model whose chat
+        template does not render them: llama-server drops them silently (the prompt is
+        the same without them). The engine is asked once per process (``/props``), in
+        the host's tasks once it is ready; never waits, never raises."""
+        tools = completion.body.get("tools")
+        if not isinstance(tools, list) or not tools:
             return
-        for name in ("max_tokens", "max_completion_tokens", "n_predict", "max_output_tokens"):
-            v = body.get(name)
-            if isinstance(v, int) and v > ctx:
-                raise FieldError(
-                    name,
-                    f"{v} is more than the model's context per slot ({ctx} tokens); "
-                    f"ask for at most {ctx}",
-                )
+        if runtime.tools_asked_now():
+            _warn_if_tools_dropped(runtime)
+            return
+        try:
+            self._host.tasks.start_soon(self._ask_then_say, runtime)
+        except RuntimeError:  # the host is shutting down
+            pass
+
+    async def _ask_then_say(self, runtime: ModelRuntime) -> None:
+        with trio.move_on_after(self._host.config.engine.load_timeout):
+            await runtime.engine.state.wait_value(EngineState.READY)
+            await runtime.ask_engine_tools()
+        _warn_if_tools_dropped(runtime)
 
     def _slot(
         self, runtime: ModelRuntime, owner: Owner, prefix: Prefix
@@ -454,7 +490,8 @@ class CompletionService:
         is one abandoned on a hung external engine (it may have run there, but the
         client has none of it). Cancellation exits the slot and closes the upstream
         request."""
-        self.check_limits(runtime, completion.body)
+        completion = self.fit_limits(runtime, completion)
+        self.say_what_is_dropped(runtime, completion)
         prefix = prompt_blocks(completion.body)
         if progress is None:
             progress = Progress()
@@ -478,7 +515,7 @@ class CompletionService:
         if not isinstance(result, EngineAnswer):
             counts = token_counts(result)
             _verify_restore(runtime, grant, counts)
-        return Answer(result, runtime, grant, counts)
+        return Answer(result, runtime, grant, counts, completion.clamps)
 
     # ------------------------------------------------------------------ streamed
 
@@ -492,11 +529,12 @@ class CompletionService:
         the reader stops taking chunks for ``stream_stall_timeout``. When the engine
         dies before the reader got any of the answer's events, the request is sent
         again, once: to another replica, else to the restarted engine. Raises (400) at
-        once when the completion is over the model's limits."""
-        self.check_limits(runtime, completion.body)
+        once for what the model cannot read (:meth:`fit_limits`)."""
+        completion = self.fit_limits(runtime, completion)
+        self.say_what_is_dropped(runtime, completion)
         prefix = prompt_blocks(completion.body)
         send, recv = trio.open_memory_channel[Item](32)
-        job = StreamJob(recv, trio.CancelScope(), runtime, owner.session)
+        job = StreamJob(recv, trio.CancelScope(), runtime, owner.session, clamps=completion.clamps)
         guarded = StallGuard(
             send,
             self._host.config.server.stream_stall_timeout,
@@ -603,6 +641,18 @@ class CompletionService:
                 )
                 self._resent += 1
                 runtime = self._resend_to(member, owner)
+
+
+def _warn_if_tools_dropped(runtime: ModelRuntime) -> None:
+    if runtime.engine_tools is False:
+        runtime.warn_once(
+            "tools dropped",
+            f"the chat template of {runtime.id!r} does not render tools: llama-server "
+            "drops a request's tools silently and the model never sees them. Serve a "
+            "model whose template supports tools, or give this one such a template "
+            "(--chat-template-file in its args)",
+            why="chat_template_caps.supports_tools is false",
+        )
 
 
 def _verify_restore(runtime: ModelRuntime, grant: Grant, counts: Counts) -> None:

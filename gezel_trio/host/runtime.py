@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Hashable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -40,6 +40,8 @@ from ..kv.sessions import session_hash
 from ..kv.store import KvCompat, KvEntry, KvModelStats, KvStore, file_identity
 from ..scheduler.jobs import SlotMeasurement
 from .calibration import CalibrationState
+from .capabilities import engine_supports_tools, template_supports_tools
+from .limits import OnceNotes
 from .metrics import Metrics
 from .snapshot import ModelStats
 
@@ -172,6 +174,12 @@ class ModelRuntime:
     metrics: Metrics | None = None
     last_benchmark: dict[str, Any] | None = None
     _crashes_seen: int = 0
+    notes: OnceNotes = field(default_factory=OnceNotes)
+    """The warnings given once per model (:meth:`warn_once`)."""
+    _tools: tuple[int, bool] | None = None
+    """Whether the engine's chat template renders tools, as the engine said, and the
+    engine process (generation) that said it."""
+    _asking_tools: bool = False
 
     # ------------------------------------------------------------------ setup
 
@@ -242,6 +250,60 @@ class ModelRuntime:
                 raise FieldError(
                     field, f"token id {t} is outside the model's vocabulary (0..{vocab - 1})"
                 )
+
+    def warn_once(self, key: Hashable, message: str, **fields: object) -> bool:
+        """Log ``message`` as a warning the first time ``key`` is noted for this model
+        (never again); whether it was logged now."""
+        if not self.notes.first(key):
+            return False
+        log.warning(message, extra={"fields": {"model": self.id, **fields}})
+        return True
+
+    # ------------------------------------------------------------------ capabilities
+
+    @property
+    def engine_tools(self) -> bool | None:
+        """Whether the engine's chat template renders tools, as the engine said (its
+        process now, or the last one that answered); None: not asked yet."""
+        return None if self._tools is None else self._tools[1]
+
+    def tools_asked_now(self) -> bool:
+        """Whether the running engine process has been asked (:meth:`ask_engine_tools`)."""
+        return self._tools is not None and self._tools[0] == self.engine.generation
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the model takes ``tools``: the engine's word when it has been asked,
+        else a guess from the chat template's text (see :mod:`.capabilities`); never for
+        a model that serves embeddings or reranking only."""
+        if self.config.embeddings or self.config.reranking:
+            return False
+        said = self.engine_tools
+        if said is not None:
+            return said
+        return template_supports_tools(self.gguf.chat_template if self.gguf else None)
+
+    async def ask_engine_tools(self) -> bool | None:
+        """Ask the engine (``GET /props``, ``chat_template_caps``) whether its chat template
+        renders tools, once per engine process, when it is ready; the answer (None: it is
+        not ready, failed, or does not say). Never raises; cancellation abandons the call."""
+        if self.tools_asked_now():
+            return self.engine_tools
+        if not self.ready or self._asking_tools:
+            return None
+        generation = self.engine.generation
+        self._asking_tools = True
+        try:
+            props = await self.client.props()
+        except GezelError as exc:
+            log.info("the engine's /props did not answer: %s", exc.message)
+            return None
+        finally:
+            self._asking_tools = False
+        said = engine_supports_tools(props)
+        if said is not None and generation == self.engine.generation:
+            self._tools = (generation, said)
+        return said
 
     # ------------------------------------------------------------------ EngineLane
 
