@@ -570,7 +570,7 @@ _CONVERSATION = [
     ("change", "param"),
     [
         (_set("model", 7), "model"),
-        (_set("max_tokens", -1), "max_tokens"),
+        (_set("max_tokens", -2), "max_tokens"),
         (_set("max_tokens", True), "max_tokens"),
         (_set("max_tokens", "8"), "max_tokens"),
         (_set("messages", "hi"), "messages"),

@@ -350,7 +350,7 @@ async def test_messages_with_the_anthropic_sdk(
                 out["missing"] = missing.value
                 with pytest.raises(anthropic.BadRequestError) as bad:
                     client.messages.create(
-                        model="tiny", max_tokens=-1, messages=[{"role": "user", "content": "hi"}]
+                        model="tiny", max_tokens=-2, messages=[{"role": "user", "content": "hi"}]
                     )
                 out["bad"] = bad.value
                 with pytest.raises(anthropic.AuthenticationError) as unknown_key:

@@ -60,7 +60,7 @@ def test_the_body_check_refuses_only_what_the_host_reads_and_cannot() -> None:
         ({"input": ["hi"]}, "input[0]"),
         ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
         ({"input": "hi", "conversation": "conv_1"}, "conversation"),
-        ({"input": "hi", "max_output_tokens": -1}, "max_output_tokens"),
+        ({"input": "hi", "max_output_tokens": -2}, "max_output_tokens"),
         ({"input": "hi", "instructions": 5}, "instructions"),
     ):
         with pytest.raises(FieldError) as info:
