@@ -562,8 +562,10 @@ class Engine:
             check_timeout=self.timing.health_timeout,
         )
         if outcome == "exited":
-            # Its last words (why it exited) may still be in the pipe.
-            with trio.move_on_after(2):
+            # Its last words (why it exited) may still be in the pipe: the pipe closes
+            # with the process, so this returns at once unless the machine is starved
+            # (2 s was too short under a load of 7 on 2 cores).
+            with trio.move_on_after(10):
                 await log_done.wait()
             if self.port is not None and port_in_use(self.port):
                 # the free-port race, lost: say so, whatever the engine managed to log
