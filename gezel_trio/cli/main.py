@@ -103,6 +103,17 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _make_model(args: argparse.Namespace) -> int:
+    if args.kind == "image":
+        import shlex
+
+        from ..engine.demo_image_model import demo_image_model_path, write_demo_image_model
+
+        if args.out:
+            image = write_demo_image_model(Path(args.out), seed=args.seed)
+        else:
+            image = demo_image_model_path()
+        print(shlex.join(image.server_args()))  # sd-server's flags for the three files
+        return 0
     from ..engine.demo_model import demo_model_path, write_demo_model
 
     if args.out:
@@ -244,6 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
 
     mm = sub.add_parser("make-model", help="generate a deterministic random-weight demo GGUF")
+    mm.add_argument(
+        "--kind",
+        choices=["text", "image"],
+        default="text",
+        help="image: the three files of a tiny FLUX.2-klein-shaped model for sd-server "
+        "(prints sd-server's flags for them; --out is then a folder)",
+    )
     mm.add_argument("--size", choices=["tiny", "small"], default="tiny")
     mm.add_argument("--arch", choices=["llama", "mamba", "qwen35"], default="llama")
     mm.add_argument("--seed", type=int, default=0)
