@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -114,17 +116,26 @@ def no_wheel(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
 
 
-def test_resolution_order(tmp_path: Path, no_wheel: None) -> None:
+@pytest.mark.parametrize(
+    ("resolve", "program", "var"),
+    [
+        (resolve_engine, "llama-server", "GEZEL_LLAMA_SERVER"),
+        (resolve_sd_server, "sd-server", "GEZEL_SD_SERVER"),
+    ],
+)
+def test_resolution_order(
+    tmp_path: Path, no_wheel: None, resolve: Callable[..., Any], program: str, var: str
+) -> None:
     explicit = _exe(tmp_path / "explicit")
     from_env = _exe(tmp_path / "from-env")
     bindir = tmp_path / "bin"
-    bindir.mkdir()
-    on_path = _exe(bindir / "llama-server")
-    env = {"GEZEL_LLAMA_SERVER": str(from_env), "PATH": str(bindir)}
-    assert resolve_engine(explicit, env=env).found_by == "config"
-    assert resolve_engine(None, env=env).path == from_env
-    assert resolve_engine(None, env={"PATH": str(bindir)}).path == on_path
-    assert resolve_engine(None, env={"PATH": str(bindir)}).found_by == "PATH"
+    on_path = _exe(bindir / program)
+    _exe(bindir / "some-other-server")
+    env = {var: str(from_env), "PATH": str(bindir)}
+    assert resolve(explicit, env=env).found_by == "config"
+    assert resolve(None, env=env).path == from_env
+    assert resolve(None, env={"PATH": str(bindir)}).path == on_path
+    assert resolve(None, env={"PATH": str(bindir)}).found_by == "PATH"
 
 
 def test_a_wrong_configured_binary_is_an_error_not_a_fallback(
@@ -201,17 +212,9 @@ def test_build_metadata_file(tmp_path: Path) -> None:
         assert read_build_metadata(exe) is None  # malformed counts as absent
 
 
-def test_sd_server_resolution_order(tmp_path: Path, no_wheel: None) -> None:
-    explicit = _exe(tmp_path / "explicit")
-    from_env = _exe(tmp_path / "from-env")
+def test_sd_server_resolution_ends_at_build_engines_build(tmp_path: Path, no_wheel: None) -> None:
     bindir = tmp_path / "bin"
-    bindir.mkdir()
-    on_path = _exe(bindir / "sd-server")
     _exe(bindir / "llama-server")  # not an sd-server
-    env = {"GEZEL_SD_SERVER": str(from_env), "PATH": str(bindir)}
-    assert resolve_sd_server(explicit, env=env).found_by == "config"
-    assert resolve_sd_server(None, env=env).path == from_env
-    assert resolve_sd_server(None, env={"PATH": str(bindir)}).path == on_path
     with pytest.raises(EngineNotFound, match=r"the configured sd-server .*missing"):
         resolve_sd_server(str(tmp_path / "missing"), env={"PATH": str(bindir)})
 
