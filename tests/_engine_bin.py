@@ -1,4 +1,5 @@
-"""Test helpers: find the llama-server binary and run a real one under Trio.
+"""Test helpers: find the llama-server binary and run a real one (or an sd-server) under
+Trio.
 
 ``llama_server_command`` looks the binary up the way the host does.
 """
@@ -93,9 +94,12 @@ async def run_llama_server(
     *,
     port: int,
     ready_timeout: float = 60.0,
+    ready_path: str = "/health",
 ) -> AsyncIterator[LlamaServer]:
-    """Run ``argv`` (a llama-server listening on ``port``), logging to ``log_path``;
-    yield once ``/health`` is 200. Leaving the block (or cancellation) stops it."""
+    """Run ``argv`` (a llama-server listening on ``port``, or another engine: sd-server
+    has no ``/health``, ``ready_path`` names what answers 200 once it is ready), logging
+    to ``log_path``; yield once ``ready_path`` is 200. Leaving the block (or
+    cancellation) stops it."""
     argv = list(argv)
     server = LlamaServer(base_url=f"http://127.0.0.1:{port}", log_path=log_path, argv=argv)
     with log_path.open("wb") as log:
@@ -113,22 +117,22 @@ async def run_llama_server(
             )
             try:
                 with trio.fail_after(ready_timeout):
-                    await _wait_healthy(server)
+                    await _wait_healthy(server, ready_path)
                 yield server
             finally:
                 nursery.cancel_scope.cancel()
 
 
-async def _wait_healthy(server: LlamaServer) -> None:
+async def _wait_healthy(server: LlamaServer, ready_path: str) -> None:
     async with httpx.AsyncClient(limits=ENGINE_LIMITS, timeout=2.0) as client:
         while True:
             if server.returncode is not None:
                 raise RuntimeError(
-                    f"llama-server exited with {server.returncode} while loading:\n"
-                    + server.log_tail()
+                    f"{Path(server.argv[0]).name} exited with {server.returncode} while "
+                    "loading:\n" + server.log_tail()
                 )
             try:
-                r = await client.get(server.base_url + "/health")
+                r = await client.get(server.base_url + ready_path)
                 if r.status_code == 200:
                     return
             except httpx.TransportError:

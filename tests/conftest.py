@@ -1,7 +1,7 @@
 """Shared fixtures: the real engine binary, generated demo models, a running host.
 
-Integration tests use a real ``llama-server``. If none resolves, they fail
-with the resolver's message (they are never skipped): run
+Integration tests use a real ``llama-server`` (and, for images, a real ``sd-server``).
+If none resolves, they fail with the resolver's message (they are never skipped): run
 ``gezel-trio build-engine --if-needed`` first, as ``.ci/run`` does.
 """
 
@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from gezel_trio.config.schema import Config, ModelConfig, validate
-from gezel_trio.engine.binary import EngineBinary, resolve_engine
+from gezel_trio.engine.binary import EngineBinary, resolve_engine, resolve_sd_server
 from gezel_trio.engine.demo_model import write_demo_model
 from gezel_trio.errors import EngineNotFound
 from gezel_trio.gpu.probe import Probe
@@ -27,12 +27,22 @@ from gezel_trio.host import Host
 from gezel_trio.server import open_server
 
 
+def _resolved(resolve: Callable[[], EngineBinary], needs: str) -> EngineBinary:
+    """``resolve()``'s binary; without one the test fails (never skips) with its message."""
+    try:
+        return resolve()
+    except EngineNotFound as exc:
+        pytest.fail(f"{needs}: {exc.message}", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def engine_binary() -> EngineBinary:
-    try:
-        return resolve_engine()
-    except EngineNotFound as exc:
-        pytest.fail(f"integration tests need a real llama-server: {exc.message}", pytrace=False)
+    return _resolved(resolve_engine, "integration tests need a real llama-server")
+
+
+@pytest.fixture(scope="session")
+def sd_server_binary() -> EngineBinary:
+    return _resolved(resolve_sd_server, "image tests need a real sd-server")
 
 
 @pytest.fixture(scope="session")

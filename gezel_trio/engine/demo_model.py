@@ -57,6 +57,7 @@ __all__ = [
     "demo_reranker_path",
     "write_demo_model",
     "write_demo_reranker",
+    "write_gguf",
 ]
 
 DemoSize = Literal["tiny", "small"]
@@ -485,7 +486,7 @@ def write_demo_model(
         _add_tokenizer(writer, vocab, CHAT_TEMPLATE)
         builder(writer, size, len(vocab.tokens), seed)
 
-    return _write_gguf(Path(path), arch, build)
+    return write_gguf(Path(path), arch, build)
 
 
 def write_demo_reranker(path: Path, *, seed: int = 0) -> Path:
@@ -519,10 +520,12 @@ def write_demo_reranker(path: Path, *, seed: int = 0) -> Path:
             rank_labels=RERANK_LABELS,
         )
 
-    return _write_gguf(Path(path), "qwen3", build)
+    return write_gguf(Path(path), "qwen3", build)
 
 
-def _write_gguf(path: Path, arch: str, build: Callable[[GGUFWriter], None]) -> Path:
+def write_gguf(path: Path, arch: str, build: Callable[[GGUFWriter], None]) -> Path:
+    """Write a GGUF file whose keys and tensors ``build`` adds, atomically (beside
+    ``path``, then renamed over it); returns ``path``."""
     with _atomic_target(path) as tmp:
         writer = GGUFWriter(tmp, arch)
         try:
