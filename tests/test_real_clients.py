@@ -43,7 +43,7 @@ pytestmark = pytest.mark.engine
 
 # prefill on a busy 2-core CPU runs at 50-200 tokens/s and these prompts are 0.6k-4.6k
 # tokens; a turn may also make several requests (Claude Code continues a cut answer)
-TURN_TIMEOUT = 420.0
+TURN_TIMEOUT = 300.0
 CACHE_AIM = 0.9
 MODEL_PATHS = (
     "/v1/messages",
@@ -125,6 +125,8 @@ class Run:
     def turn2_cache(self) -> tuple[int, int]:
         """(cached, prompt) tokens summed over turn 2's requests: from the host's own
         activity rows on the host, from the engine's usage answers on the engine."""
+        if len(self.turns) < 2:
+            return 0, 0
         if self.backend == "host":
             rows = self.activity[len(self.model_requests(0)) :]
             return (
@@ -162,24 +164,35 @@ async def converse(
     for n, argv in enumerate(commands):
         label = f"{backend}/{n}"
         proxy.target(upstream, label)
-        with trio.fail_after(TURN_TIMEOUT):
-            done = await trio.run_process(
-                argv,
-                cwd=cwd,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                capture_stdout=True,
-                capture_stderr=True,
-                check=False,
-            )
-        out = done.stdout.decode(errors="replace")
-        err = done.stderr.decode(errors="replace")
+        done = None
+        # files, not pipes: node clients leave children holding their pipes. A client
+        # that hangs is killed (run_process does that on cancellation) and counts as a
+        # failed turn, so that the figures of the rest still come out
+        out_path = cwd.parent / f"turn{n}.out"
+        err_path = cwd.parent / f"turn{n}.err"
+        with out_path.open("wb") as out_f, err_path.open("wb") as err_f:
+            with trio.move_on_after(TURN_TIMEOUT):
+                done = await trio.run_process(
+                    argv,
+                    cwd=cwd,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out_f,
+                    stderr=err_f,
+                    check=False,
+                )
         run.turns.append(proxy.recorded(label))
+        out = out_path.read_text(errors="replace")
+        err = err_path.read_text(errors="replace")
         run.outputs.append(out)
-        if done.returncode != 0 and not _output_cap_only(out + err):
+        if done is None:
+            run.failures.append(f"turn {n} on {backend}: no answer in {TURN_TIMEOUT:.0f} s")
+        elif done.returncode != 0 and not _output_cap_only(out + err):
             run.failures.append(
                 f"turn {n} on {backend}: exit {done.returncode}\n{out[-1500:]}\n{err[-1500:]}"
             )
+        if run.failures:
+            break  # a turn 2 after a failed turn 1 shows nothing more, slowly
     run.wall_s = time.monotonic() - t0
     if backend == "host":
         seen = {(r["at"], r["path"]) for r in before}
