@@ -142,9 +142,28 @@ def _is_model(path: str) -> bool:
 
 
 async def _activity(host_url: str) -> list[dict[str, Any]]:
+    """The host's activity rows for model requests, oldest first."""
     async with httpx.AsyncClient(timeout=30) as http:
         rows = (await http.get(f"{host_url}/api/activity")).json()["requests"]
-    return [r for r in rows if r.get("path") and _is_model(r["path"])]
+    return sorted(
+        (r for r in rows if r.get("path") and _is_model(r["path"])), key=lambda r: r["at"]
+    )
+
+
+async def _activity_since(
+    host_url: str, before: list[dict[str, Any]], want: int
+) -> list[dict[str, Any]]:
+    """The rows added since ``before``, once there are ``want`` of them (a streamed
+    answer is logged as its body ends, which may be just after the client read its
+    last byte), or what there is after 15 s."""
+    seen = {(r["at"], r["path"]) for r in before}
+    with trio.move_on_after(15):
+        while True:
+            rows = [r for r in await _activity(host_url) if (r["at"], r["path"]) not in seen]
+            if len(rows) >= want:
+                break
+            await trio.sleep(0.1)
+    return rows
 
 
 async def converse(
@@ -195,8 +214,7 @@ async def converse(
             break  # a turn 2 after a failed turn 1 shows nothing more, slowly
     run.wall_s = time.monotonic() - t0
     if backend == "host":
-        seen = {(r["at"], r["path"]) for r in before}
-        run.activity = [r for r in await _activity(host_url) if (r["at"], r["path"]) not in seen]
+        run.activity = await _activity_since(host_url, before, len(run.model_requests()))
     return run
 
 
@@ -534,8 +552,7 @@ async def test_ollama_python_client(engine_url: str, host_url: str) -> None:
             options=options,
         )
         assert g1.response and g2.response
-    seen = {(r["at"], r["path"]) for r in before}
-    rows = [r for r in await _activity(host_url) if (r["at"], r["path"]) not in seen]
+    rows = await _activity_since(host_url, before, 4)
     assert [r["path"] for r in rows] == ["/api/chat"] * 2 + ["/api/generate"] * 2, rows
 
     # the engine's truth for the same two second turns
