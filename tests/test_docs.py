@@ -68,3 +68,16 @@ def test_the_endpoint_table_lists_every_route() -> None:
         - listed
     )
     assert not missing, f"routes missing from the table at the top of docs/api.md: {missing}"
+
+
+def test_coming_from_shows_the_client_setups_the_tests_run() -> None:
+    """docs/coming-from.md shows each client's setup exactly as tests/test_real_clients.py
+    runs it (the same text, from tests/_clients.py)."""
+    from . import _clients
+
+    text = (DOCS / "coming-from.md").read_text()
+    missing = [name for name, setup in _clients.SETUPS.items() if setup not in text]
+    assert not missing, f"setups missing from docs/coming-from.md: {missing}"
+    for client in ("Claude Code", "Codex", "opencode", "aider", "Open WebUI", "Continue"):
+        assert f"### {client}" in text, client
+    assert "### llama.vscode" in text
