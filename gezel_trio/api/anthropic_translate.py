@@ -358,12 +358,8 @@ def _user_messages(where: str, content: list[Any]) -> list[dict[str, Any]]:
         at = f"{where}.content.{j}"
         block = _block(at, raw)
         kind = block["type"]
-        if kind == "text":
-            parts.append(_text_part(at, block))
-        elif kind == "image":
-            parts.append(_image_part(at, block))
-        elif kind == "document":
-            parts.extend(_document_parts(at, block))
+        if (common := _content_parts(at, block)) is not None:
+            parts.extend(common)
         elif kind == "tool_result":
             results.append(_tool_message(at, block))
         else:
@@ -375,6 +371,19 @@ def _user_messages(where: str, content: list[Any]) -> list[dict[str, Any]]:
     if parts:
         results.append({"role": "user", "content": parts})
     return results
+
+
+def _content_parts(at: str, block: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The chat parts of a text, image or document block (any role may send these);
+    None for another type, which each role treats its own way."""
+    kind = block["type"]
+    if kind == "text":
+        return [_text_part(at, block)]
+    if kind == "image":
+        return [_image_part(at, block)]
+    if kind == "document":
+        return _document_parts(at, block)
+    return None
 
 
 def _assistant_messages(where: str, content: list[Any]) -> list[dict[str, Any]]:
@@ -416,18 +425,13 @@ def _instruction_messages(where: str, role: str, content: list[Any]) -> list[dic
     for j, raw in enumerate(content):
         at = f"{where}.content.{j}"
         block = _block(at, raw)
-        kind = block["type"]
-        if kind == "text":
-            parts.append(_text_part(at, block))
-        elif kind == "image":
-            parts.append(_image_part(at, block))
-        elif kind == "document":
-            parts.extend(_document_parts(at, block))
+        if (common := _content_parts(at, block)) is not None:
+            parts.extend(common)
         else:
             raise FieldError(
                 f"{at}.type",
-                f"{_compact_json(kind)} is not supported in a {_compact_json(role)} message; "
-                "send text, image or document blocks",
+                f"{_compact_json(block['type'])} is not supported in a "
+                f"{_compact_json(role)} message; send text, image or document blocks",
             )
     return [{"role": role, "content": parts}] if parts else []
 
