@@ -15,10 +15,8 @@ benchmarks/results/abandoned_requests.json. Aim: every count equals N.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import re
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -26,6 +24,7 @@ from typing import Any
 import httpx
 import trio
 
+from benchmarks._raw_client import post_json, reset
 from gezel_trio.config.schema import Config, ModelConfig, validate
 from gezel_trio.engine.demo_model import write_demo_model
 from gezel_trio.host import Host
@@ -66,23 +65,6 @@ async def _until(predicate: Any, within: float, what: str) -> None:
         await trio.sleep(0.02)
 
 
-async def _connect(url: str, body: dict[str, Any]) -> trio.SocketStream:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    stream = await trio.open_tcp_stream(host, int(port))
-    payload = json.dumps(body).encode()
-    await stream.send_all(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
-        + payload
-    )
-    return stream
-
-
-async def _abort(stream: trio.SocketStream) -> None:
-    stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00" * 2)
-    await stream.aclose()
-
-
 async def _read_until(stream: trio.SocketStream, marker: bytes, count: int = 1) -> None:
     seen = b""
     while seen.count(marker) < count:
@@ -116,17 +98,17 @@ async def _round(host: Host, client: httpx.AsyncClient, url: str) -> None:
         stats = scheduler.statistics()
         return stats.queued == 0 and sum(stats.running.values()) == 0
 
-    holder = await _connect(url, {**CHAT, "stream": True})  # holds the one slot
+    holder = await post_json(url, {**CHAT, "stream": True})  # holds the one slot
     await _read_until(holder, b"data: ")
-    waiting = await _connect(url, CHAT)
+    waiting = await post_json(url, CHAT)
     await _until(lambda: queued(1), 10, "queued")
-    await _abort(waiting)  # queued, non-streamed
+    await reset(waiting)  # queued, non-streamed
     await _until(lambda: queued(0), 10, "left the queue")
-    waiting = await _connect(url, {**CHAT, "stream": True})
+    waiting = await post_json(url, {**CHAT, "stream": True})
     await _read_until(waiting, b": waiting for a slot")
-    await _abort(waiting)  # queued, streamed, its head out
+    await reset(waiting)  # queued, streamed, its head out
     await _until(lambda: queued(0), 10, "left the queue")
-    await _abort(holder)  # streamed, read, then dropped
+    await reset(holder)  # streamed, read, then dropped
     await _until(idle, 10, "idle")
     base = host.models["tiny"].engine.base_url
 
@@ -134,10 +116,10 @@ async def _round(host: Host, client: httpx.AsyncClient, url: str) -> None:
         slots = (await client.get(f"{base}/slots")).json()
         return any(s["is_processing"] and s["next_token"][0]["n_decoded"] >= 3 for s in slots)
 
-    generating = await _connect(url, CHAT)
+    generating = await post_json(url, CHAT)
     await _until(running, 10, "granted")
     await _until(decoding, 10, "generating")
-    await _abort(generating)  # non-streamed, generating
+    await reset(generating)  # non-streamed, generating
     await _until(idle, 10, "idle")
 
 

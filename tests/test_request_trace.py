@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import httpx
 import pytest
 import trio
 
+from benchmarks._raw_client import post_json, reset
 from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.assemble import Shape
 from gezel_trio.engine.binary import EngineBinary
@@ -95,26 +95,6 @@ class Traces:
         return _lines(self.caplog, 499)[-1]
 
 
-async def _connect(url: str, body: dict[str, Any]) -> trio.SocketStream:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    stream = await trio.open_tcp_stream(host, int(port))
-    payload = json.dumps(body).encode()
-    await stream.send_all(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
-        + payload
-    )
-    return stream
-
-
-async def _abort(stream: trio.SocketStream) -> None:
-    """Leave the way a killed client does: a reset, not a polite close."""
-    stream.socket.setsockopt(
-        socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
-    )
-    await stream.aclose()
-
-
 def _engine_generated(host: Host, prompt_tokens: int) -> int:
     """The tokens the engine generated for its last task, from its own log line at the
     slot's release (``n_tokens``: what the slot holds, prompt and generated)."""
@@ -144,7 +124,7 @@ async def test_every_abandoned_request_leaves_one_trace_with_its_slot_and_tokens
 
             # 1. A stream read, then dropped.
             before = await traces.now()
-            stream = await _connect(url, {**CHAT, "stream": True})
+            stream = await post_json(url, {**CHAT, "stream": True})
             seen = b""
             try:
                 while seen.count(b'"content":"') < 5:
@@ -152,7 +132,7 @@ async def test_every_abandoned_request_leaves_one_trace_with_its_slot_and_tokens
                     assert chunk, seen[:300]
                     seen += chunk
             finally:
-                await _abort(stream)
+                await reset(stream)
             line = await traces.one_more(before, host)
             generated = _engine_generated(host, prompt_tokens)
             assert line["path"] == "/v1/chat/completions" and line["slot"] == 0
@@ -168,7 +148,7 @@ async def test_every_abandoned_request_leaves_one_trace_with_its_slot_and_tokens
 
                 await wait_until(generating, within=10, what="the engine generating")
                 before = await traces.now()
-                queued = await _connect(url, CHAT)
+                queued = await post_json(url, CHAT)
                 try:
                     await wait_until(
                         lambda: (
@@ -178,7 +158,7 @@ async def test_every_abandoned_request_leaves_one_trace_with_its_slot_and_tokens
                         what="the second request queued",
                     )
                 finally:
-                    await _abort(queued)
+                    await reset(queued)
                 n = before[0]
                 await wait_until(lambda: len(_lines(caplog, 499)) > n, within=10, what="a 499")
                 line = _lines(caplog, 499)[-1]

@@ -10,13 +10,12 @@ request in flight.
 
 from __future__ import annotations
 
-import json
-import socket
 from pathlib import Path
 from typing import Any
 
 import trio
 
+from benchmarks._raw_client import post_json, reset
 from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.transport import EngineTransport
@@ -44,18 +43,6 @@ def _cfg(tiny_model: Path, state_dir: Path, engine_binary: EngineBinary, **serve
     )
 
 
-async def _connect(url: str, body: dict[str, Any]) -> trio.SocketStream:
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    stream = await trio.open_tcp_stream(host, int(port))
-    payload = json.dumps(body).encode()
-    await stream.send_all(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
-        + payload
-    )
-    return stream
-
-
 async def _read_until(stream: trio.SocketStream, marker: bytes) -> bytes:
     buf = b""
     while marker not in buf:
@@ -63,14 +50,6 @@ async def _read_until(stream: trio.SocketStream, marker: bytes) -> bytes:
         assert chunk, f"closed before {marker!r}: {buf[:200]!r}"
         buf += chunk
     return buf
-
-
-async def _abort(stream: trio.SocketStream) -> None:
-    """Leave the way a killed client does: a reset, not a polite close."""
-    stream.socket.setsockopt(
-        socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
-    )
-    await stream.aclose()
 
 
 async def _nothing_left(host: Host, *, within: float) -> None:
@@ -114,41 +93,41 @@ async def test_walkaways_at_every_point_of_a_stream_leave_nothing_held(
                         pass
 
                 reader.start_soon(keep_reading)
-                queued = await _connect(url, CHAT)
+                queued = await post_json(url, CHAT)
                 try:
                     await wait_until(
                         lambda: _queued(host) == 1, within=5, what="the second request queued"
                     )
                 finally:
-                    await _abort(queued)
+                    await reset(queued)
                 await wait_until(lambda: _queued(host) == 0, within=2, what="left the queue")
                 reader.cancel_scope.cancel()
             await _nothing_left(host, within=3)
 
             # 2. Right after the head, before reading any event.
-            stream = await _connect(url, CHAT)
+            stream = await post_json(url, CHAT)
             try:
                 await _read_until(stream, b"\r\n\r\n")
             finally:
-                await _abort(stream)
+                await reset(stream)
             await _nothing_left(host, within=3)
 
             # 3. Mid-stream.
-            stream = await _connect(url, CHAT)
+            stream = await post_json(url, CHAT)
             try:
                 await _read_until(stream, b"data: ")
                 await _read_until(stream, b"data: ")
             finally:
-                await _abort(stream)
+                await reset(stream)
             await _nothing_left(host, within=3)
 
             # 4. Still connected, but no longer reading: the stall timeout (1 s) ends it.
-            stream = await _connect(url, CHAT)
+            stream = await post_json(url, CHAT)
             try:
                 await _read_until(stream, b"data: ")
                 await _nothing_left(host, within=10)
             finally:
-                await _abort(stream)
+                await reset(stream)
 
             # The host still serves.
             after = await client.post(
