@@ -44,6 +44,9 @@ SUB = "You are a sub-agent that only searches files and reports back. " * 4
 
 
 def _config(tiny_model: Path, state_dir: Path, engine_binary: EngineBinary, **sections: Any) -> Any:
+    # the strangers below, of the same (local) caller, would start from the prefix they
+    # share (test_caller_prefix); here they stand for anyone else, who gets none of it
+    sections["scheduler"] = {"share_prefix_within_caller": False, **sections.get("scheduler", {})}
     return make_config(
         [ModelConfig(id="tiny", path=str(tiny_model), parallel=1, ctx_per_slot=2048)],
         state_dir=state_dir,

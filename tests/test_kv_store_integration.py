@@ -65,6 +65,9 @@ def _config(
     idle_ttl: float = 0.0,
     **sections: dict[str, object],
 ) -> Config:
+    # B, of the same (local) caller as A, would start from the prefix it shares with
+    # A (test_caller_prefix); here it stands for anyone else, who gets none of it
+    sections["scheduler"] = {"share_prefix_within_caller": False, **sections.get("scheduler", {})}
     return make_config(
         [
             ModelConfig(

@@ -103,6 +103,9 @@ async def test_a_replica_set_keeps_sessions_spreads_load_and_survives_a_lost_rep
             state_dir=state_dir,
             engine_binary=engine_binary,
             engine={"health_interval": 0.5, "health_failures": 2},
+            # a new session of the same (local) caller would start from the prefix it
+            # shares (test_caller_prefix); here it stands for anyone else
+            scheduler={"share_prefix_within_caller": False},
         )
         with trio.fail_after(120):
             # the revived engine outlives the host, as an external engine does (stopped

@@ -446,6 +446,12 @@ class ModelJob:
     steps: list[tuple[StepKind, str | None]] = field(default_factory=list)
     sent: bool = False
     ended: bool = False
+    caller: str | None = None
+    """Its caller, when it may start from another owner's prefix of that caller."""
+    peers: frozenset[str] = frozenset()
+    """The sessions of its caller (whose tokens it may be sent onto, with ``caller``)."""
+    blocks: tuple[int, ...] = ()
+    """Its request's prefix blocks (``()``: unknown)."""
 
     @property
     def token(self) -> str:
@@ -456,7 +462,7 @@ class ModelJob:
     def allowed(self) -> frozenset[str] | None:
         """What its slot's KV may hold when its completion is sent (keyless: anything,
         it is sent blind)."""
-        return None if self.session is None else frozenset({self.session})
+        return None if self.session is None else frozenset({self.session}) | self.peers
 
     def __repr__(self) -> str:
         return f"<job {self.id} {self.session or 'keyless'} on slot {self.slot}>"
@@ -517,7 +523,9 @@ class SlotTableMachine(RuleBasedStateMachine):
 
     def _sendable(self) -> list[ModelJob]:
         return [
-            j for j in self.jobs.values() if not j.sent and self.table.safe_for(j.slot, j.session)
+            j
+            for j in self.jobs.values()
+            if not j.sent and self.table.safe_for(j.slot, j.session, j.caller, j.blocks)
         ]
 
     def _running(self) -> list[ModelJob]:
@@ -542,8 +550,21 @@ class SlotTableMachine(RuleBasedStateMachine):
             assert isinstance(job, ModelJob)
             del self.jobs[job.id]  # it must not send anything more
 
+    def _caller(self, session: str | None) -> str | None:
+        """The caller whose other owners' prefixes ``session``'s jobs may start from
+        (None: none; none in this model)."""
+        return None
+
+    def _blocks(self, session: str | None) -> tuple[int, ...]:
+        """The prefix blocks of ``session``'s requests (``()``: unknown, in this model)."""
+        return ()
+
     def _submit(self, slot: int, session: str | None) -> ModelJob:
         job = ModelJob(self.next_id, session, slot)
+        job.blocks = self._blocks(session)
+        job.caller = self._caller(session)
+        if job.caller is not None:
+            job.peers = frozenset(s for s in SESSIONS if self._caller(s) == job.caller)
         self.next_id += 1
         self.table.pin(slot, job)
         self.jobs[job.id] = job
@@ -551,15 +572,22 @@ class SlotTableMachine(RuleBasedStateMachine):
 
     def _prepare(self, job: ModelJob) -> None:
         """``preparation`` for the job's slot, checked, as the job's list of steps."""
-        safe = self.table.safe_for(job.slot, job.session)
+        safe = self.table.safe_for(job.slot, job.session, job.caller, job.blocks)
         owner = self.table.owner(job.slot)
         prep = self.table.preparation(
-            job.slot, job.session, parking=self.parking, is_parked=self.parked.__contains__
+            job.slot,
+            job.session,
+            parking=self.parking,
+            is_parked=self.parked.__contains__,
+            caller=job.caller,
+            prefix=job.blocks,
         )
         assert not (prep.restore and prep.erase)
         assert safe or prep.restore or prep.erase, f"{job!r}: unsafe slot, nothing planned"
         if job.session is None:  # blind: at most the save of the session it displaces
             assert safe and not prep.restore and not prep.erase
+        elif self.table.shares_with(job.slot, job.session, job.caller, job.blocks):
+            assert not prep.erase  # the engine keeps the prefix the two share
         elif safe:
             assert prep.park is None and not prep.erase
         if prep.restore:
@@ -603,7 +631,14 @@ class SlotTableMachine(RuleBasedStateMachine):
                     self.table.erased(slot, job)
                 else:
                     assert session is not None
-                    self.table.restored(slot, job, session, keyless=self._keyless(session))
+                    self.table.restored(
+                        slot,
+                        job,
+                        session,
+                        keyless=self._keyless(session),
+                        blocks=self._blocks(session),
+                        caller=self._caller(session),
+                    )
             elif outcome == "fail":
                 job.steps.clear()  # the dispatcher re-derives its plan (or gives up)
         if outcome == "cancel":
@@ -611,13 +646,18 @@ class SlotTableMachine(RuleBasedStateMachine):
 
     def _send(self, job: ModelJob) -> None:
         """THE check: a keyed completion is sent only onto a KV holding nothing but its
-        own session's tokens. (A keyless one is sent blind: it reads nothing.)"""
-        assert self.table.safe_for(job.slot, job.session)
+        own session's tokens, or its caller's when it shares them. (A keyless one is
+        sent blind: it reads nothing.)"""
+        assert self.table.safe_for(job.slot, job.session, job.caller, job.blocks)
         truth = self.truth[job.slot]
         assert job.allowed is None or truth <= job.allowed, (
             f"{job!r} sends its completion onto a KV holding {sorted(truth)}, "
             f"which the table calls {self.table.slots[job.slot]!r}"
         )
+        if self.table.shares_with(job.slot, job.session, job.caller, job.blocks):
+            # The engine keeps only the prefix the two prompts share: the KV of those
+            # tokens depends on nothing else, so it is exactly what the job would compute.
+            self.truth[job.slot] = set()
         self.table.sending(job.slot, job)
         job.sent = True
         job.steps.clear()
@@ -630,7 +670,7 @@ class SlotTableMachine(RuleBasedStateMachine):
         """The job's completion ends (finished, failed or cancelled)."""
         if tokens:
             self.truth[job.slot].add(job.token)
-        self.table.completed(job.slot, job, job.session)
+        self.table.completed(job.slot, job, job.session, blocks=job.blocks, caller=job.caller)
         job.ended = True
 
     def _release(self, job: ModelJob, *, tokens: bool = True) -> None:
@@ -723,7 +763,7 @@ class SlotTableMachine(RuleBasedStateMachine):
                 self._step(job, outcome, carried_out=data.draw(st.booleans(), label="done"))
                 if outcome == "cancel":
                     return  # released
-            if self.table.safe_for(job.slot, job.session):
+            if self.table.safe_for(job.slot, job.session, job.caller, job.blocks):
                 break
         else:
             self._release(job)  # the slot could not be made safe: the request fails
@@ -857,7 +897,9 @@ class SlotTableMachine(RuleBasedStateMachine):
                 self._prepare(job)
                 while job.steps:
                     self._step(job, "ack")
-                assert self.table.safe_for(slot, session), self.table.slots[slot]
+                assert self.table.safe_for(slot, session, job.caller, job.blocks), self.table.slots[
+                    slot
+                ]
                 assert job.allowed is None or self.truth[slot] <= job.allowed
                 self._release(job)
 

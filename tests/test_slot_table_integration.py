@@ -54,7 +54,13 @@ def _cfg(
         ],
         state_dir=state_dir,
         engine_binary=engine_binary,
-        scheduler={"keyless": keyless, "save_idle_slots": save_idle_slots},
+        # one caller's sessions would share a prefix (test_caller_prefix): these count
+        # the calls of handoffs between owners that share nothing
+        scheduler={
+            "keyless": keyless,
+            "save_idle_slots": save_idle_slots,
+            "share_prefix_within_caller": False,
+        },
     )
 
 

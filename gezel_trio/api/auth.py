@@ -230,7 +230,7 @@ def request_owner(host: Host, body: Mapping[str, Any]) -> Owner:
     if session is not None and name is not None:
         exchange.names.note(session, name)
     # a keyless conversation is parked and routed like a named chat
-    return Owner(session, keyless=name is None and opening is None)
+    return Owner(session, keyless=name is None and opening is None, caller=caller)
 
 
 OPENING_CHARS = 256

@@ -123,6 +123,11 @@ class SchedulerConfig:
     cache kept in its slots, erased before another owner uses them); ``blind``,
     no owner (sent with ``cache_prompt`` off); ``conversation``, one owner per keyless
     conversation, found by how it opens, and parked like a named chat."""
+    share_prefix_within_caller: bool = True
+    """A request whose owner holds no KV for it may start from a slot another owner of
+    the same caller (API key) left, sharing its prefix (its system prompt, say): the
+    engine keeps only the tokens the two share. Attention models only; never across
+    callers."""
     prefix_load_bound: int = 2
     """A replicated model's request goes to the member holding the longest prefix of its
     owner's KV unless that member's load (jobs queued and running) exceeds the least

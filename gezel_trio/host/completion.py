@@ -78,10 +78,12 @@ class Owner:
     """Whose KV a request's slot holds, as the scheduler keys it: ``session`` is the
     caller's named chat, the caller's keyless owner (``[scheduler] keyless =
     "shared"``), or None for a blind request (``"blind"``); ``keyless`` says the
-    client named no conversation."""
+    client named no conversation; ``caller`` is the caller it belongs to (None: not
+    known), whose other owners' prefixes it may start from."""
 
     session: str | None
     keyless: bool
+    caller: str | None = None
 
     @property
     def route_session(self) -> str | None:
@@ -390,7 +392,13 @@ class SlotSource(Protocol):
     def tasks(self) -> trio.Nursery: ...
 
     def completion_slot(
-        self, runtime: ModelRuntime, *, session: str | None, keyless: bool, prefix: Prefix
+        self,
+        runtime: ModelRuntime,
+        *,
+        session: str | None,
+        keyless: bool,
+        prefix: Prefix,
+        caller: str | None = None,
     ) -> AbstractAsyncContextManager[tuple[ModelRuntime, Grant]]: ...
 
     def resolve_model(
@@ -457,7 +465,11 @@ class CompletionService:
         self, runtime: ModelRuntime, owner: Owner, prefix: Prefix
     ) -> AbstractAsyncContextManager[tuple[ModelRuntime, Grant]]:
         return self._host.completion_slot(
-            runtime, session=owner.session, keyless=owner.keyless, prefix=prefix
+            runtime,
+            session=owner.session,
+            keyless=owner.keyless,
+            prefix=prefix,
+            caller=owner.caller,
         )
 
     def _resend_to(self, failed: ModelRuntime, owner: Owner) -> ModelRuntime:

@@ -319,6 +319,7 @@ class Host:
         session: str | None = None,
         keyless: bool = False,
         prefix: Prefix = (),
+        caller: str | None = None,
         kind: JobKind = "completion",
         any_slot: bool = False,
         needs_slot: bool = True,
@@ -328,6 +329,10 @@ class Host:
         ``runtime``'s engine for the block (see :meth:`Scheduler.slot`: ``session``
         is the owner, ``keyless`` says it is a caller's keyless owner, ``prefix``
         the request's blocks; ``pool``: a replica's job that any sibling may take).
+        ``caller``: the owner's caller; the job may then start from a prefix another
+        owner of that caller left in a slot, when ``[scheduler]
+        share_prefix_within_caller`` is on and the engine cuts a slot back to a
+        shared prefix by itself (:attr:`ModelRuntime.cuts_back`).
 
         The block runs once the model is resident, its turn has come and the slot
         is prepared; the engine is held (no idle or pressure release) from
@@ -336,11 +341,19 @@ class Host:
         block; pin, lease and hold are released at scope exit on every path.
         """
         assert self.scheduler is not None, "the host is not open"
+        share = (
+            caller is not None
+            and session is not None
+            and self.config.scheduler.share_prefix_within_caller
+            and runtime.cuts_back
+        )
         return self.scheduler.slot(
             runtime.id,
             session=session,
             keyless=keyless,
             prefix=prefix,
+            caller=caller if share else None,
+            parked=share and runtime.is_parked(session, prefix),
             kind=kind,
             any_slot=any_slot,
             needs_slot=needs_slot,
@@ -355,10 +368,11 @@ class Host:
         session: str | None = None,
         keyless: bool = False,
         prefix: Prefix = (),
+        caller: str | None = None,
     ) -> AsyncIterator[tuple[ModelRuntime, Grant]]:
         """``async with host.completion_slot(runtime, session=s) as (member, grant)``:
         :meth:`slot` for a completion, across a replicated model's members
-        (``session``, ``keyless`` and ``prefix`` as there).
+        (``session``, ``keyless``, ``prefix`` and ``caller`` as there).
 
         ``member`` is the engine the grant is on: for a replica, another member than
         ``runtime`` when the scheduler moved the job (a sibling with a free slot
@@ -387,7 +401,12 @@ class Host:
                 try:
                     grant = await stack.enter_async_context(
                         self.slot(
-                            runtime, session=session, keyless=keyless, prefix=prefix, pool=pool
+                            runtime,
+                            session=session,
+                            keyless=keyless,
+                            prefix=prefix,
+                            caller=caller,
+                            pool=pool,
                         )
                     )
                     break

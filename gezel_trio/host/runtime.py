@@ -344,6 +344,28 @@ class ModelRuntime:
         return self.config.replica_of
 
     @property
+    def cuts_back(self) -> bool:
+        """Whether the engine, given a slot that holds another prompt, keeps exactly the
+        prefix the two share and nothing past it: an attention model, whose KV cells
+        past a position can be dropped, run without ``--cache-reuse`` (which would
+        also reuse shifted chunks past the shared prefix). A recurrent or hybrid model
+        cannot roll its state back to a prefix; an engine the host does not run (its
+        flags are not the host's to know) or an unknown architecture counts as one
+        that cannot."""
+        if self.config.external:
+            return False
+        info = self.gguf
+        if info is not None:
+            recurrent = info.recurrent
+        else:
+            arch = self.calibration.arch
+            if arch is None:
+                return False
+            recurrent = arch.recurrent
+        reuse = last_arg_value(self.engine.argv or self.config.args, "--cache-reuse")
+        return not recurrent and reuse in (None, "0")
+
+    @property
     def ready(self) -> bool:
         return self.engine.state.value is EngineState.READY and self.engine.base_url is not None
 

@@ -80,6 +80,7 @@ def choose_slot(
     table: SlotTable,
     prefix: Prefix = (),
     wanted: Callable[[str], bool] = lambda _session: False,
+    caller: str | None = None,
 ) -> int | None:
     """Pick the slot a job of ``session`` (its owner; None: blind) is pinned to, from
     ``free`` (not modified). ``prefix``: the request's blocks (:mod:`.prefix`).
@@ -92,7 +93,12 @@ def choose_slot(
     other conversation stays, then the owner's slot sharing the most blocks
     (least recently used first); its KV is parked first and the owner's parked
     copy sharing the most blocks restored when that shares more
-    (:meth:`SlotTable.preparation`). Otherwise the cheapest handoff
+    (:meth:`SlotTable.preparation`). Otherwise, for a job that may share its
+    ``caller``'s prefixes (:meth:`SlotTable.shares_with`), the slot of another owner
+    of that caller sharing the most blocks with the request (more than message
+    headers), whose owner has no job waiting in this turn, one not being saved
+    first, least recently used first: the engine keeps that prefix. Otherwise the
+    cheapest handoff
     (:meth:`SlotTable.handoff_cost`: a blind job takes a blind job's slot first,
     an owner's job a clean slot, and displacing another owner's KV comes last),
     then one not being saved in the background (a job there waits for the save),
@@ -130,6 +136,17 @@ def choose_slot(
         if clean:
             return min(clean, key=cost)
         return max(own, key=lambda s: (shared_blocks(table.blocks(s), prefix), -table.last_used(s)))
+    if caller is not None and prefix:
+
+        def share(slot: int) -> int:
+            owner = table.owner(slot)
+            if owner is None or wanted(owner):
+                return 0
+            return table.shares_with(slot, session, caller, prefix)
+
+        shares = {slot: n for slot in free if (n := share(slot))}
+        if shares:
+            return min(shares, key=lambda slot: (-shares[slot], *cost(slot)[1:]))
     return min(free, key=cost)
 
 

@@ -225,6 +225,8 @@ class Scheduler:
         session: str | None = None,
         keyless: bool = False,
         prefix: Prefix = (),
+        caller: str | None = None,
+        parked: bool = False,
         kind: JobKind = "completion",
         any_slot: bool = False,
         needs_slot: bool = True,
@@ -239,7 +241,12 @@ class Scheduler:
         (``grant.blind``: sent with ``cache_prompt`` off). ``prefix``: the
         request's blocks (:func:`~gezel_trio.kv.prefix.prefix_blocks`), so
         that it goes to its owner's slot it continues; ``()`` when unknown (its
-        owner's most recently used free slot).
+        owner's most recently used free slot). ``caller``: the owner's caller, when
+        the job may start from a prefix another owner of that caller left in a slot
+        (the engine cuts the slot back to what the two share; None: never, and never
+        across callers); ``parked``: the owner has a parked copy for the request,
+        so no such slot is sought for it (see
+        :func:`~gezel_trio.scheduler.admission.choose_slot`).
 
         The block is entered once the model is resident, the job's turn has come,
         its slot is pinned and prepared: ``grant.slot_id`` holds nothing but
@@ -272,6 +279,8 @@ class Scheduler:
             session=session,
             keyless=keyless and session is not None,
             prefix=tuple(prefix),
+            caller=caller if session is not None else None,
+            parked=parked,
             any_slot=any_slot,
             needs_slot=needs_slot and not any_slot and kind == "completion",
             pool=pool and kind == "completion" and not any_slot,

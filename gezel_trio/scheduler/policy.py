@@ -40,9 +40,12 @@ The rules, in the order the policy applies them (see the issue-3 seed):
    generation. The Trio layer prepares a pinned slot (park, restore or erase)
    from the table before the job runs, recording every transition before the
    I/O that causes it, and a job never runs on a slot whose content is not its
-   own owner's or empty. *Forgetting* (an exclusive op, ``forget_slots``)
-   makes every slot unknown: each is erased before its next use. A new engine
-   generation makes every slot fresh and keeps the pins of running jobs.
+   own owner's or empty, except where its owner's caller may share prefixes
+   (``job.caller``): then it may run on another owner's KV of that caller that
+   shares a prefix with its request, which the engine cuts back to that prefix.
+   *Forgetting* (an exclusive op, ``forget_slots``) makes every slot unknown:
+   each is erased before its next use. A new engine generation makes every
+   slot fresh and keeps the pins of running jobs.
 7. AFFINITY. Within a turn, jobs whose owner holds a slot go first; everything
    else is FIFO. An owner may hold several slots: a job goes to its owner's
    free slot that its request continues (:func:`choose_slot`), and two jobs of
@@ -164,6 +167,7 @@ class SchedulerPolicy:
         self.parks_idle = 0  # saved in the background once the slot went idle
         self.handoffs = 0  # owner jobs placed on another owner's slot
         self.handoff_calls = 0  # upstream calls those made: park, restore, erase, request
+        self.shared_prefixes = 0  # of those, sent onto their caller's other owner's prefix
         self.reconciliations = 0
         self.held_out = 0  # slots found busy with work the host did not send
         self.failovers = 0  # queued jobs moved off a member that went down
@@ -720,7 +724,14 @@ class SchedulerPolicy:
         """The slot ``job`` is pinned to, taken out of ``free`` (None: it uses none)."""
         if not job.needs_slot:
             return None
-        pin = choose_slot(free, session=job.session, table=table, prefix=job.prefix, wanted=wanted)
+        pin = choose_slot(
+            free,
+            session=job.session,
+            table=table,
+            prefix=job.prefix,
+            wanted=wanted,
+            caller=None if job.parked else job.caller,
+        )
         assert pin is not None  # the caller checked there is room
         free.remove(pin)
         if job.session is not None and table.owner(pin) == job.session:
@@ -797,7 +808,9 @@ class SchedulerPolicy:
         if slot is None or table.pinned_to(slot) is not job:
             return  # no slot, or the engine restarted with fewer slots
         if job.ran:
-            table.completed(slot, job, job.session, keyless=job.keyless, blocks=job.prefix)
+            table.completed(
+                slot, job, job.session, keyless=job.keyless, blocks=job.prefix, caller=job.caller
+            )
         table.unpin(slot, job)
 
     def forget_slots(self, model_id: str) -> None:
@@ -839,11 +852,14 @@ class SchedulerPolicy:
         else:
             self.parks_failed += 1
 
-    def note_handoff(self, *, calls: int) -> None:
+    def note_handoff(self, *, calls: int, shared: bool = False) -> None:
         """An owner's job was placed on another owner's slot, with ``calls`` upstream
-        calls (park, restore, erase, and the request itself)."""
+        calls (park, restore, erase, and the request itself); ``shared``: sent onto
+        that owner's KV, of the same caller, neither restored nor erased (the engine
+        kept the prefix they share)."""
         self.handoffs += 1
         self.handoff_calls += calls
+        self.shared_prefixes += shared
 
     def note_measurement(self, *, ok: bool) -> None:
         self.slot_measurements += 1
@@ -917,6 +933,7 @@ class SchedulerPolicy:
                 "saved_idle": self.parks_idle,
                 "handoffs": self.handoffs,
                 "handoff_calls": self.handoff_calls,
+                "shared_within_caller": self.shared_prefixes,
             },
             pool={"failovers": self.failovers, "pooled": self.pooled},
             admissions=self.admissions,

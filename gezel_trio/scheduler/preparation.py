@@ -9,7 +9,11 @@ named session, a caller's keyless owner, a keyless conversation. Only
 a slot whose content is the job's own owner's, or empty, is handed over to a
 job with an owner (a named session, or a caller's keyless owner); when an
 erase is not acknowledged the request fails (503) and the slot stays unknown.
-A keyless job without an owner (``[scheduler] keyless = "blind"``) is blind
+A job that may share its caller's prefixes (``job.caller``) is sent onto a slot
+of another owner of that caller without an erase, once that owner's KV is parked:
+the engine keeps only the prefix the two share (an attention model; the host sets
+``caller`` for no other). A keyless job without an owner (``[scheduler] keyless =
+"blind"``) is blind
 (``grant.blind``: the caller sends it with ``cache_prompt`` off, so it reads
 nothing the slot held) and needs no erase before it.
 """
@@ -147,6 +151,7 @@ class SlotPreparer:
 
         first_owner = self._policy.table_of(job).owner(slot)
         handoff = job.session is not None and first_owner not in (None, job.session)
+        shared = False  # sent onto another owner's KV of its caller: the engine cuts it back
         for _ in range(4):
             self.check_pin(job)
             table = self._policy.table_of(job)
@@ -159,8 +164,11 @@ class SlotPreparer:
                 prefix=prefix,
                 is_current=is_current,
                 parked_shares=parked_shares,
+                caller=job.caller,
             )
             owner = table.owner(slot)
+            shared = bool(table.shares_with(slot, job.session, job.caller, prefix))
+            shared = shared and not prep.restore
             if parking and owner is not None and owner != job.session and prep.park is None:
                 self._policy.note_park_skipped()  # its parked copy is still current
             if (
@@ -197,7 +205,7 @@ class SlotPreparer:
         if restored and prefix and blocks and not is_prefix(blocks, prefix):
             restored = 0  # another branch of the conversation: only a part is reused
         if handoff:
-            self._policy.note_handoff(calls=calls + 1)  # and the request itself
+            self._policy.note_handoff(calls=calls + 1, shared=shared)  # and the request
         table.sending(slot, job)
         return calls, erased, restored
 
@@ -241,7 +249,9 @@ class SlotPreparer:
             self._policy.note_restore(ok=False)
             return 0
         self.check_pin(job)
-        self._policy.table_of(job).restored(slot, job, session, keyless=job.keyless, blocks=blocks)
+        self._policy.table_of(job).restored(
+            slot, job, session, keyless=job.keyless, blocks=blocks, caller=job.caller
+        )
         self._policy.note_restore(ok=True)
         return restored
 

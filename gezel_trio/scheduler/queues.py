@@ -30,6 +30,8 @@ class Job:
     session: str | None = None  # its owner (None: a blind keyless job)
     keyless: bool = False  # ``session`` is a caller's keyless owner (never parked)
     prefix: Prefix = ()  # the request's prefix blocks (placement within its owner)
+    caller: str | None = None  # its owner may share its caller's prefixes (None: no)
+    parked: bool = False  # its owner has a parked copy for it (no shared prefix sought)
     seq: int = -1
     submitted_at: float = 0.0
     state: JobState = JobState.QUEUED

@@ -29,12 +29,18 @@ Every transition is recorded *before* the I/O that causes it: a slot becomes
 acknowledged the erase or restore, or the completion has ended. A cancelled
 erase therefore leaves the slot ``UNKNOWN``, never falsely ``CLEAN``.
 
-A job with an owner runs only on a slot that holds that owner's KV or nothing.
-A job without one is *blind*: it is sent with ``cache_prompt`` off, so the
-engine re-evaluates its whole prompt and reuses nothing the slot held (measured
-on llama-server: ``timings.cache_n`` is 0), and it may run on any slot without
-an erase. What it leaves (``KEYLESS``) is erased before an owner's job uses the
-slot, and in the background once the slot has stayed idle.
+A job with an owner runs only on a slot that holds that owner's KV or nothing, or,
+when it may share its caller's prefixes (its ``caller`` is set: an attention model,
+``[scheduler] share_prefix_within_caller`` on), the KV of another owner of the same
+caller that shares blocks with the request: the engine cuts a slot back to the
+prefix the request shares with it, so the job reuses exactly its own prefix (see
+:meth:`SlotEntry.shares_with`). The caller is recorded per slot; owners of
+different callers never share. A job without an owner is *blind*: it is sent
+with ``cache_prompt`` off, so the engine re-evaluates its whole prompt and
+reuses nothing the slot held (measured on llama-server: ``timings.cache_n`` is
+0), and it may run on any slot without an erase. What it leaves (``KEYLESS``) is
+erased before an owner's job uses the slot, and in the background once the slot
+has stayed idle.
 
 An ``OWNED`` slot also records the *prefix blocks* of the last request that ran
 on it, or of the parked copy restored into it (:mod:`.prefix`; ``()`` when
@@ -83,8 +89,8 @@ class Content(enum.Enum):
 
 @dataclass(slots=True)
 class SlotEntry:
-    """One slot. ``session``, ``keyless`` and ``blocks`` describe an ``OWNED`` slot's
-    owner and are reset with every other content."""
+    """One slot. ``session``, ``keyless``, ``blocks`` and ``caller`` describe an ``OWNED``
+    slot's owner and are reset with every other content."""
 
     id: int
     content: Content = Content.FRESH
@@ -102,6 +108,9 @@ class SlotEntry:
     """The table's tick when the slot was last unpinned (for reconciliation races)."""
     saving: object | None = None
     """The background save in flight on this slot (None: none); see :meth:`SlotTable.begin_save`."""
+    caller: str | None = None
+    """The caller of the owner, when the owner's jobs may share its prefixes with the
+    caller's other owners (None: with nobody)."""
 
     def hold(
         self,
@@ -111,17 +120,36 @@ class SlotEntry:
         parked_current: bool = False,
         keyless: bool = False,
         blocks: Prefix = (),
+        caller: str | None = None,
     ) -> None:
         """Record what the slot holds now (an owner only with ``OWNED``)."""
         self.content, self.session, self.parked_current = content, session, parked_current
-        self.keyless, self.blocks = keyless, blocks
+        self.keyless, self.blocks, self.caller = keyless, blocks, caller
 
-    def safe_for(self, session: str | None) -> bool:
+    def safe_for(self, session: str | None, caller: str | None = None, prefix: Prefix = ()) -> bool:
         """Whether a job of ``session`` may run on this slot as it is (a keyless job
-        is blind: it reads nothing the slot holds)."""
+        is blind: it reads nothing the slot holds). ``caller`` and ``prefix``: the job
+        may start from what another owner of that caller left (:meth:`shares_with`)."""
         if session is None or self.content in (Content.FRESH, Content.CLEAN):
             return True
-        return self.content is Content.OWNED and self.session == session
+        return self.content is Content.OWNED and (
+            self.session == session or self.shares_with(session, caller, prefix) > 0
+        )
+
+    def shares_with(self, session: str | None, caller: str | None, prefix: Prefix) -> int:
+        """How many blocks of ``prefix`` (a request of ``session``) the slot holds when
+        it holds another owner's KV of the same ``caller`` (not None), both sharing
+        (0: none, or message headers only). A request sharing some may be sent onto
+        it with ``cache_prompt`` on: the engine keeps only the prefix they share."""
+        if (
+            caller is None
+            or session is None
+            or self.content is not Content.OWNED
+            or self.caller != caller
+            or self.session == session
+        ):
+            return 0
+        return shared_blocks(self.blocks, prefix)
 
     def handoff_cost(self, session: str | None) -> int:
         """How much taking this slot costs a job of ``session``: 0 nothing (its own
@@ -225,6 +253,7 @@ class SlotTable:
                         parked_current=entry.parked_current,
                         keyless=entry.keyless,
                         blocks=entry.blocks,
+                        caller=entry.caller,
                     )
                     new.held_out = entry.held_out
                     new.saving = entry.saving
@@ -277,8 +306,15 @@ class SlotTable:
     def content(self, slot: int) -> Content:
         return self.slots[slot].content
 
-    def safe_for(self, slot: int, session: str | None) -> bool:
-        return self.slots[slot].safe_for(session)
+    def safe_for(
+        self, slot: int, session: str | None, caller: str | None = None, prefix: Prefix = ()
+    ) -> bool:
+        return self.slots[slot].safe_for(session, caller, prefix)
+
+    def shares_with(
+        self, slot: int, session: str | None, caller: str | None, prefix: Prefix
+    ) -> int:
+        return self.slots[slot].shares_with(session, caller, prefix)
 
     def last_used(self, slot: int) -> int:
         return self.slots[slot].last_used
@@ -325,6 +361,7 @@ class SlotTable:
         prefix: Prefix = (),
         is_current: Callable[[str, Prefix], bool] | None = None,
         parked_shares: Callable[[str], int | None] | None = None,
+        caller: str | None = None,
     ) -> Preparation:
         """What a job of ``session`` needs done to ``slot`` before it runs (no I/O).
 
@@ -342,6 +379,15 @@ class SlotTable:
         that holds another of its conversations (its blocks diverge from
         ``prefix``) has that one parked first (unless current), and the job's copy
         restored when it shares more blocks than the slot does.
+
+        ``caller``: the job may share its caller's prefixes (:meth:`SlotEntry.shares_with`).
+        A slot holding another owner's KV of that caller that shares blocks of
+        ``prefix`` (more than message headers) is not erased: that owner's
+        KV is parked first (unless current), and the job's own copy restored unless
+        the slot shares more blocks with the request (a tie goes to the copy: blocks
+        are whole pieces, and the copy may hold more of the last one); else the
+        request goes onto the slot as it is and the engine keeps only the prefix they
+        share.
         """
         entry = self.slots[slot]
         owner = entry.session if entry.content is Content.OWNED else None
@@ -370,6 +416,13 @@ class SlotTable:
             restore = shares is not None and shares > shared_blocks(entry.blocks, prefix)
             return Preparation(park=session if stale else None, restore=restore)
         park = owner if parking and stale else None
+        shared = entry.shares_with(session, caller, prefix)
+        if shared:
+            restore = parking and is_parked(session)
+            if restore and parked_shares is not None:
+                shares = parked_shares(session)
+                restore = shares is not None and shares >= shared
+            return Preparation(park=park, restore=restore)
         if parking and is_parked(session):
             return Preparation(park=park, restore=True)
         if not erase_on_handoff and entry.content is not Content.UNKNOWN:
@@ -393,11 +446,18 @@ class SlotTable:
         *,
         keyless: bool = False,
         blocks: Prefix = (),
+        caller: str | None = None,
     ) -> None:
         """The engine acknowledged a restore of ``session``'s parked copy (of ``blocks``)
-        into ``slot``: the slot holds that copy, which is current."""
+        into ``slot``: the slot holds that copy, which is current (``caller``: as in
+        :meth:`completed`)."""
         self._pinned(slot, job).hold(
-            Content.OWNED, session, parked_current=True, keyless=keyless, blocks=blocks
+            Content.OWNED,
+            session,
+            parked_current=True,
+            keyless=keyless,
+            blocks=blocks,
+            caller=caller,
         )
 
     def parked(self, slot: int, job: object, session: str) -> None:
@@ -464,20 +524,23 @@ class SlotTable:
         *,
         keyless: bool = False,
         blocks: Prefix = (),
+        caller: str | None = None,
     ) -> None:
         """``job``'s completion on ``slot`` ended (finished, failed or cancelled).
 
         The job ran only on a slot that was safe for it, so the slot now holds its
-        owner's KV and nothing else (``session`` None, a blind job: dirty).
-        ``keyless``: the owner is a caller's keyless owner; ``blocks``: the prefix
-        blocks of the job's request.
+        owner's KV and nothing else (``session`` None, a blind job: dirty), or, when
+        it started from another owner's prefix of its caller, what it shared of that
+        (its own prefix) and its own KV. ``keyless``: the owner is a caller's keyless
+        owner; ``blocks``: the prefix blocks of the job's request; ``caller``: the
+        job's caller when its owner shares prefixes with the caller's other owners.
         """
         entry = self._pinned(slot, job)
         entry.last_used = self._advance()
         if session is None:
             entry.hold(Content.KEYLESS)
         else:
-            entry.hold(Content.OWNED, session, keyless=keyless, blocks=blocks)
+            entry.hold(Content.OWNED, session, keyless=keyless, blocks=blocks, caller=caller)
 
     def _pinned(self, slot: int, job: object) -> SlotEntry:
         if not 0 <= slot < len(self.slots):

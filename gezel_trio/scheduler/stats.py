@@ -37,7 +37,8 @@ class SchedulerStats:
     # background saves in flight)
     erases: dict[str, int]  # ok, failed, skipped_same_session, after_keyless
     parking: dict[str, int]  # saved, save_skipped_current, restored, failed, saved_idle,
-    # handoffs, handoff_calls (upstream calls of those handoffs, their requests included)
+    # handoffs, handoff_calls (upstream calls of those handoffs, their requests included),
+    # shared_within_caller (handoffs that kept the prefix another owner of the caller left)
     pool: dict[str, int]  # failovers (moved off a down member), pooled (taken by a sibling)
     admissions: int
     reconciliations: int

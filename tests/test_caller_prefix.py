@@ -1,0 +1,431 @@
+"""Prefix sharing within a caller (``[scheduler] share_prefix_within_caller``).
+
+A request whose owner holds no KV for it may start from a slot that another owner of
+the *same caller* left: that owner's KV is parked (as on any handoff), the slot is
+not erased, and the engine keeps only the prefix the two prompts share. Never across
+callers, never for a model that cannot cut its state back (recurrent, hybrid).
+
+First the policy without I/O (preparation, placement, the slot table's model with
+callers), then the engine's own cached-token counts against a real llama-server.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from hypothesis import settings
+
+from gezel_trio.config.schema import ModelConfig
+from gezel_trio.engine.binary import EngineBinary
+from gezel_trio.host import Host
+from gezel_trio.kv.prefix import Header, prefix_blocks
+from gezel_trio.kv.sessions import SessionKeys
+from gezel_trio.scheduler.admission import Admit, Load, choose_slot
+from gezel_trio.scheduler.policy import SchedulerPolicy
+from gezel_trio.scheduler.queues import Job
+from gezel_trio.scheduler.slots import Content, Preparation, SlotTable
+
+from .conftest import make_config, running
+from .fault_tools import wait_until
+from .test_keyless_owner import Lane
+from .test_slot_table import SlotTableMachine
+
+KEYS = SessionKeys(b"p" * 32)
+ANN, BEA = KEYS.caller("key-ann"), KEYS.caller("key-bea")
+ANN_1, ANN_2, ANN_3 = (KEYS.session(ANN, f"chat-{i}") for i in (1, 2, 3))
+BEA_1 = KEYS.session(BEA, "chat-1")
+
+SYSTEM = [Header("system"), *(f"tools and instructions {i}" for i in range(8))]
+
+
+def _blocks(*user: str) -> tuple[int, ...]:
+    """A chat's blocks: the long shared system prompt, then its own user turns."""
+    return prefix_blocks([*SYSTEM, *(part for text in user for part in (Header("user"), text))])
+
+
+def _table(*owners: tuple[str, str | None, tuple[int, ...]]) -> SlotTable:
+    """A table whose slot ``i`` holds ``owners[i]``'s KV: (session, caller, blocks)."""
+    table = SlotTable(len(owners) + 1, generation=1)
+    for slot, (session, caller, blocks) in enumerate(owners):
+        job = object()
+        table.pin(slot, job)
+        table.sending(slot, job)
+        table.completed(slot, job, session, blocks=blocks, caller=caller)
+        table.unpin(slot, job)
+    return table
+
+
+# --------------------------------------------------------------------------- preparation
+
+
+@pytest.mark.parametrize("parking", [True, False])
+def test_another_owner_of_the_caller_is_parked_not_erased(parking: bool) -> None:
+    table = _table((ANN_1, ANN, _blocks("one")))
+    two = _blocks("two")
+    assert table.shares_with(0, ANN_2, ANN, two) == len(SYSTEM) + 1  # and the user header
+    assert table.safe_for(0, ANN_2, ANN, two)
+    # sharing nothing (or message headers only) is no reason to keep it: erased
+    elsewhere = prefix_blocks([Header("system"), "another prompt"])
+    assert not table.shares_with(0, ANN_2, ANN, elsewhere)
+    assert not table.shares_with(0, ANN_2, ANN, ())
+    assert table.preparation(0, ANN_2, caller=ANN, prefix=elsewhere) == Preparation(erase=True)
+    prep = table.preparation(0, ANN_2, parking=parking, caller=ANN, prefix=_blocks("two"))
+    assert prep == Preparation(park=ANN_1 if parking else None)
+    # its own parked copy, when it shares more than the slot does, is restored instead
+    more = {ANN_2: len(_blocks("two", "more"))}
+    prep = table.preparation(
+        0,
+        ANN_2,
+        parking=True,
+        caller=ANN,
+        is_parked=more.__contains__,
+        prefix=_blocks("two", "more"),
+        parked_shares=more.get,
+    )
+    assert prep == Preparation(park=ANN_1, restore=True)
+    same = {ANN_2: len(_blocks("two")) - 1}  # shares the system prompt, as the slot does
+    prep = table.preparation(
+        0,
+        ANN_2,
+        parking=True,
+        caller=ANN,
+        is_parked=same.__contains__,
+        prefix=_blocks("two"),
+        parked_shares=same.get,
+    )
+    assert prep == Preparation(park=ANN_1, restore=True)  # a tie: its own copy
+    less = {ANN_2: 1}
+    prep = table.preparation(
+        0,
+        ANN_2,
+        parking=True,
+        caller=ANN,
+        is_parked=less.__contains__,
+        prefix=_blocks("two"),
+        parked_shares=less.get,
+    )
+    assert prep == Preparation(park=ANN_1)
+
+
+def test_never_across_callers_nor_without_a_caller() -> None:
+    table = _table((ANN_1, ANN, _blocks("one")))
+    for session, caller in ((BEA_1, BEA), (ANN_2, None)):
+        assert not table.safe_for(0, session, caller, _blocks("two"))
+        prep = table.preparation(0, session, parking=True, caller=caller, prefix=_blocks("two"))
+        assert prep == Preparation(park=ANN_1, erase=True)
+    # a slot recorded without a caller (its job could not share) is no one's to share
+    table = _table((ANN_1, None, _blocks("one")))
+    assert not table.shares_with(0, ANN_2, ANN, _blocks("two"))
+    assert table.preparation(0, ANN_2, caller=ANN, prefix=_blocks("two")) == Preparation(erase=True)
+    # a blind job's leftovers and unknown content are erased as ever
+    for content in (Content.KEYLESS, Content.UNKNOWN):
+        table.slots[0].hold(content)
+        prep = table.preparation(0, ANN_2, caller=ANN, prefix=_blocks("two"))
+        assert prep == Preparation(erase=True)
+
+
+def test_the_slot_records_the_caller_and_forgets_it_with_its_owner() -> None:
+    table = _table((ANN_1, ANN, _blocks("one")))
+    assert table.slots[0].caller == ANN
+    job = object()
+    table.pin(0, job)
+    table.sending(0, job)  # unknown while a request is in flight: nobody's to share
+    two = _blocks("two")
+    assert table.slots[0].caller is None and not table.shares_with(0, ANN_2, ANN, two)
+    table.restored(0, job, ANN_2, caller=ANN, blocks=_blocks("two", "more"))
+    assert (
+        table.shares_with(0, ANN_1, ANN, _blocks("one")) == len(SYSTEM) + 1
+    )  # and the user header
+    assert not table.shares_with(0, ANN_2, ANN, two)  # its own: no share, its KV
+    table.erased(0, job)
+    assert table.slots[0].caller is None
+    assert table.sync(1, 3) == [] and table.slots[0].caller is None  # kept: still clean
+    assert "caller" not in repr(table.statistics())
+
+
+# --------------------------------------------------------------------------- placement
+
+
+def test_a_new_owner_takes_its_callers_slot_sharing_the_longest_prefix() -> None:
+    table = _table(
+        (ANN_1, ANN, prefix_blocks([Header("system"), "another prompt"])),
+        (ANN_2, ANN, _blocks("two")),
+        (BEA_1, BEA, _blocks("three", "and more")),  # shares more, another caller's
+    )
+    request = _blocks("three", "and more", "and then")
+    free = [0, 1, 2, 3]
+    # sharing nothing but a header is sharing nothing: slot 0 is never picked for it
+    assert choose_slot(free, session=ANN_3, table=table, prefix=request, caller=ANN) == 1
+    assert choose_slot([0, 2, 3], session=ANN_3, table=table, prefix=request, caller=ANN) == 3
+    # without a caller, as today: the fresh slot
+    assert choose_slot(free, session=ANN_3, table=table, prefix=request) == 3
+    # an owner whose job waits in this turn keeps its slot
+    wanted = {ANN_2}.__contains__
+    assert (
+        choose_slot(free, session=ANN_3, table=table, prefix=request, caller=ANN, wanted=wanted)
+        == 3
+    )
+    # Bea never lands on Ann's slots for a prefix; her own caller's slot is hers
+    assert (
+        choose_slot(
+            [0, 1, 3], session=KEYS.session(BEA, "x"), table=table, prefix=request, caller=BEA
+        )
+        == 3
+    )
+    assert (
+        choose_slot(free, session=KEYS.session(BEA, "x"), table=table, prefix=request, caller=BEA)
+        == 2
+    )
+    # the owner's own slot always comes first
+    assert choose_slot(free, session=ANN_1, table=table, prefix=request, caller=ANN) == 3
+    assert (
+        choose_slot(free, session=ANN_2, table=table, prefix=_blocks("two", "next"), caller=ANN)
+        == 1
+    )
+
+
+def test_a_returning_owner_with_a_parked_copy_takes_a_clean_slot() -> None:
+    """Two sessions of one caller on 2 of 3 slots must not trade one slot back and
+    forth: the displaced one comes back with its parked copy, which it restores into a
+    clean slot rather than displacing the other."""
+    policy = SchedulerPolicy([Lane(parallel=3)])
+    now = 0.0
+
+    def run(session: str, blocks: tuple[int, ...], *, parked: bool = False) -> int:
+        nonlocal now
+        job = Job(model_id="m", session=session, prefix=blocks, caller=ANN, parked=parked)
+        policy.enqueue(job, now=now)
+        for _ in range(5):
+            for action in policy.plan():
+                if isinstance(action, Load):
+                    policy.load_done(action.model_id)
+                elif isinstance(action, Admit):
+                    policy.admit(action.model_id, None, now=now)
+        assert job.slot_id is not None
+        table = policy.table("m")
+        prep = table.preparation(job.slot_id, session, caller=ANN, parking=True, prefix=blocks)
+        assert not prep.erase
+        if prep.park is not None:
+            table.parked(job.slot_id, job, prep.park)
+        table.sending(job.slot_id, job)
+        job.ran = True
+        now += 1
+        policy.settle(job, now=now)
+        return job.slot_id
+
+    first = run(ANN_1, _blocks("one"))
+    assert run(ANN_2, _blocks("two")) == first  # Ann's system prompt is in it
+    other = run(ANN_1, _blocks("one", "again"), parked=True)
+    assert other != first  # a clean slot, for its parked copy
+    assert run(ANN_2, _blocks("two", "again")) == first
+    assert run(ANN_1, _blocks("one", "again", "more")) == other
+
+
+# --------------------------------------------------------------------------- the model
+
+CALLERS = {"session-ann": "caller-1", "session-bea": "caller-1", "session-cat": "caller-2"}
+
+
+class CallerSharingMachine(SlotTableMachine):
+    """The slot table's model (``test_slot_table``) with callers: Ann's and Bea's
+    sessions are one caller's and may share prefixes, Cat's another's. A job is sent
+    only onto a KV holding nothing but its own caller's tokens, and only onto another
+    session's tokens when its caller shares."""
+
+    def _caller(self, session: str | None) -> str | None:
+        return None if session is None else CALLERS.get(session)
+
+    def _blocks(self, session: str | None) -> tuple[int, ...]:
+        """Every session's requests open with the same system prompt (one block), then
+        their own: a share across callers would be there for the taking."""
+        if session not in CALLERS:
+            return ()
+        return (2, 4 + 2 * sorted(CALLERS).index(session))
+
+
+CallerSharingMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=60, deadline=None
+)
+test_callers_share_only_their_own_prefixes = CallerSharingMachine.TestCase
+
+
+# --------------------------------------------------------------------------- the engine
+
+KEY_ANN, KEY_BEA = "key-ann-0123456789", "key-bea-0123456789"
+SHARED = [300 + (i * 7) % 200 for i in range(512)]  # 8 blocks of 64 tokens
+BLOCK = 64
+
+
+def _prompt(seed: int) -> list[int]:
+    return [*SHARED, *(520 + (seed * 13 + i) % 300 for i in range(40))]
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+async def _send(
+    client: httpx.AsyncClient, key: str, prompt: list[int], session: str | None
+) -> tuple[int, int]:
+    """One ``/completion`` of ``key``'s caller: (the engine's cached tokens, the
+    engine's prompt length minus ``prompt``'s, 1 when it added a BOS token)."""
+    body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "n_predict": 2, "temperature": 0}
+    if session is not None:
+        body["prompt_cache_key"] = session
+    r = await client.post("/completion", json=body, headers={"Authorization": f"Bearer {key}"})
+    assert r.status_code == 200, r.text
+    timings = r.json()["timings"]
+    cached = int(timings["cache_n"])
+    return cached, cached + int(timings["prompt_n"]) - len(prompt)
+
+
+def _config(model: Path, state_dir: Path, engine_binary: EngineBinary, **scheduler: Any) -> Any:
+    return make_config(
+        [
+            ModelConfig(
+                id="tiny", path=str(model), parallel=scheduler.pop("parallel", 1), ctx_per_slot=2048
+            )
+        ],
+        state_dir=state_dir,
+        engine_binary=engine_binary,
+        server={"api_keys": [KEY_ANN, KEY_BEA]},
+        scheduler=scheduler,
+    )
+
+
+def _parking(host: Host) -> dict[str, int]:
+    assert host.scheduler is not None
+    return host.scheduler.statistics().parking
+
+
+async def _idle(host: Host) -> None:
+    """No job runs and no background save is in flight (a slot is saved in the
+    background once its request ends, and a request placed there waits for it)."""
+    scheduler = host.scheduler
+    assert scheduler is not None
+
+    def settled() -> bool:
+        stats = scheduler.statistics().as_dict()
+        return not stats["running"] and all(t["saving"] == 0 for t in stats["slots"].values())
+
+    await wait_until(settled, within=60, what="background saves settled")
+
+
+async def _shares_exactly(
+    client: httpx.AsyncClient, key: str, earlier: list[int], prompt: list[int], session: str | None
+) -> int:
+    """Send ``prompt``: the engine's cached tokens must be its prefix shared with
+    ``earlier`` (the slot's last prompt), less at most a block, and never more."""
+    cached, bos = await _send(client, key, prompt, session)
+    common = _common(earlier, prompt) + bos
+    assert common - BLOCK <= cached <= common, (cached, common)
+    return cached
+
+
+async def test_a_new_session_of_the_caller_starts_from_its_prefix(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    """Two slots. Ann's second session (and her keyless request) go to the slot her
+    first left, with its system prompt: the engine reuses exactly the prefix the two
+    prompts share. Bea's sessions take the other slot; her second shares her first's."""
+    cfg = _config(tiny_model, state_dir, engine_binary, parallel=2)
+    with trio.fail_after(180):
+        async with running(cfg) as (host, client):
+            assert host.models["tiny"].cuts_back
+            assert (await _send(client, KEY_ANN, _prompt(1), "chat-1"))[0] == 0
+            await _idle(host)
+            await _shares_exactly(client, KEY_ANN, _prompt(1), _prompt(2), "chat-2")
+            await _idle(host)
+            await _shares_exactly(client, KEY_ANN, _prompt(2), _prompt(3), None)  # keyless
+            assert _parking(host)["shared_within_caller"] == 2
+            await _idle(host)
+            # Bea, with Ann's very prompts and session name: a fresh slot, nothing of Ann's
+            assert (await _send(client, KEY_BEA, _prompt(1), "chat-1"))[0] == 0
+            await _idle(host)
+            await _shares_exactly(client, KEY_BEA, _prompt(1), _prompt(4), "chat-9")
+            assert _parking(host)["shared_within_caller"] == 3
+            # Ann's first session comes back to its own parked KV, restored
+            cached, _ = await _send(client, KEY_ANN, [*_prompt(1), 7, 8], "chat-1")
+            assert cached >= len(_prompt(1)) - 1
+            assert host.models["tiny"].kv_stats.restores >= 1
+
+
+@pytest.mark.parametrize("mode", ["shared", "conversation", "blind"])
+async def test_another_caller_gets_none_of_it_in_every_mode(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary, mode: str
+) -> None:
+    """One slot, so every owner lands on the previous one's KV. Whatever the keyless
+    mode, Bea's requests (named, with Ann's session name, or keyless) get 0 of Ann's
+    tokens, and Ann's none of Bea's; within one caller a new owner shares."""
+    cfg = _config(tiny_model, state_dir, engine_binary, keyless=mode)
+    with trio.fail_after(180):
+        async with running(cfg) as (host, client):
+            assert (await _send(client, KEY_ANN, _prompt(1), "chat-1"))[0] == 0
+            await _idle(host)
+            await _shares_exactly(client, KEY_ANN, _prompt(1), _prompt(2), "chat-2")
+            await _idle(host)
+            # each of Bea's owners lands on Ann's KV, then each new one of Ann's on Bea's
+            for i, session in enumerate(("chat-2", None, "chat-3")):
+                assert (await _send(client, KEY_BEA, _prompt(2), session))[0] == 0, session
+                await _idle(host)
+                assert (await _send(client, KEY_ANN, _prompt(2), f"new-{i}"))[0] == 0, session
+                await _idle(host)
+            # Ann's last owner left the slot: another new session of hers shares
+            await _shares_exactly(client, KEY_ANN, _prompt(2), _prompt(5), "chat-4")
+            await _idle(host)
+            cached, _ = await _send(client, KEY_ANN, _prompt(6), None)  # her keyless owner
+            if mode == "blind":
+                assert cached == 0  # a blind request reuses nothing
+            else:
+                assert 0 < cached <= _common(_prompt(5), _prompt(6)) + 1
+            await _idle(host)
+            # (a keyless request of Bea's would restore her own parked copy of _prompt(2),
+            # with SHARED in it: her tokens, not Ann's; a new session has none)
+            assert (await _send(client, KEY_BEA, _prompt(6), "bea-new"))[0] == 0
+            shared = _parking(host)["shared_within_caller"]
+            assert shared == (2 if mode == "blind" else 3)
+
+
+async def test_turned_off_a_new_session_starts_from_an_erased_slot(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    cfg = _config(tiny_model, state_dir, engine_binary, share_prefix_within_caller=False)
+    with trio.fail_after(180):
+        async with running(cfg) as (host, client):
+            assert (await _send(client, KEY_ANN, _prompt(1), "chat-1"))[0] == 0
+            await _idle(host)
+            assert (await _send(client, KEY_ANN, _prompt(2), "chat-2"))[0] == 0
+            assert host.scheduler is not None
+            assert host.scheduler.statistics().erases["ok"] >= 1
+            assert _parking(host)["shared_within_caller"] == 0
+
+
+async def test_a_recurrent_model_still_erases(
+    models_dir: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    """A Mamba model cannot roll its state back to a shared prefix: a new session of
+    the caller gets an erased slot, as before."""
+    from gezel_trio.engine.demo_model import write_demo_model
+
+    path = models_dir / "prefix-mamba.gguf"
+    if not path.exists():
+        write_demo_model(path, size="tiny", arch="mamba")
+    cfg = _config(path, state_dir, engine_binary)
+    with trio.fail_after(180):
+        async with running(cfg) as (host, client):
+            assert not host.models["tiny"].cuts_back
+            assert (await _send(client, KEY_ANN, _prompt(1), "chat-1"))[0] == 0
+            await _idle(host)
+            assert (await _send(client, KEY_ANN, _prompt(2), "chat-2"))[0] == 0
+            assert host.scheduler is not None
+            assert host.scheduler.statistics().erases["ok"] >= 1
+            assert _parking(host)["shared_within_caller"] == 0
