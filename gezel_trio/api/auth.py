@@ -229,8 +229,14 @@ def request_owner(host: Host, body: Mapping[str, Any]) -> Owner:
         host.kv.note_caller(session, caller)  # whose parked KV it will be
     if session is not None and name is not None:
         exchange.names.note(session, name)
-    # a keyless conversation is parked and routed like a named chat
-    return Owner(session, keyless=name is None and opening is None, caller=caller)
+    # A keyless conversation is parked and routed like a named chat, but shares no
+    # prefix with the caller's other owners: "conversation" is the mode that narrows the
+    # side channel to conversations that open alike (docs/isolation.md).
+    return Owner(
+        session,
+        keyless=name is None and opening is None,
+        caller=caller if opening is None else None,
+    )
 
 
 OPENING_CHARS = 256

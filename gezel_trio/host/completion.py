@@ -78,8 +78,9 @@ class Owner:
     """Whose KV a request's slot holds, as the scheduler keys it: ``session`` is the
     caller's named chat, the caller's keyless owner (``[scheduler] keyless =
     "shared"``), or None for a blind request (``"blind"``); ``keyless`` says the
-    client named no conversation; ``caller`` is the caller it belongs to (None: not
-    known), whose other owners' prefixes it may start from."""
+    client named no conversation; ``caller`` is the caller whose other owners'
+    prefixes it may start from (None: it shares none: not known, or a keyless
+    conversation of ``keyless = "conversation"``)."""
 
     session: str | None
     keyless: bool
