@@ -292,7 +292,10 @@ async def test_tokens_in_a_stream_are_counted_as_the_engine_counts_them(
             assert warm.status_code == 200  # the engine runs
             base_url = host.models["tiny"].engine.base_url
             assert base_url is not None
-            async with httpx.AsyncClient(base_url=base_url, timeout=60) as engine:
+            # a new connection each time: llama-server closes one after a streamed answer,
+            # and a pooled one can be reused before its close is seen
+            fresh = httpx.Limits(max_keepalive_connections=0)
+            async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=fresh) as engine:
                 for shape, path, body in cases:
                     progress = Progress()
                     raw = b""
