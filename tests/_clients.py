@@ -2,10 +2,10 @@
 the host: the same text docs/coming-from.md shows (tests/test_docs.py checks that every
 setup below is in it, word for word).
 
-``.ci/run`` installs the clients at the versions in :data:`PINS` under
-:func:`clients_dir` (``$GEZEL_CLIENTS_DIR``, else ``~/.cache/gezel-trio/clients``):
-the npm ones with ``npm install --prefix``, aider in its own venv (its dependencies are
-pinned hard, so it never shares the test environment).
+``tox -e tests`` installs the clients at the versions in :data:`PINS` under
+:func:`clients_dir` (``$GEZEL_CLIENTS_DIR``, else ``~/.cache/gezel-trio/clients``) with
+``python -m tests.install_clients``: the npm ones with ``npm install --prefix``, aider in
+its own venv (its dependencies are pinned hard, so it never shares the test environment).
 
 Every setup names the host as ``http://127.0.0.1:8080`` and the model as ``smollm2``,
 as the docs do; :func:`render` puts in the address a test serves on.
@@ -47,8 +47,8 @@ def client_path(name: str) -> Path:
     )
     if not path.exists():
         pytest.fail(
-            f"{name} is not installed at {path}: run .ci/run's client install step "
-            "(or set GEZEL_CLIENTS_DIR)",
+            f"{name} is not installed at {path}: run `python -m tests.install_clients` "
+            "(tox -e tests does; or set GEZEL_CLIENTS_DIR)",
             pytrace=False,
         )
     return path
