@@ -11,6 +11,7 @@ callers), then the engine's own cached-token counts against a real llama-server.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +129,57 @@ def test_never_across_callers_nor_without_a_caller() -> None:
         table.slots[0].hold(content)
         prep = table.preparation(0, ANN_2, caller=ANN, prefix=_blocks("two"))
         assert prep == Preparation(erase=True)
+
+
+def test_a_parked_copy_of_the_caller_is_lent_when_no_slot_shares_as_much() -> None:
+    two = _blocks("two")
+    copy = (ANN_1, len(SYSTEM) + 1)  # chat-1's parked copy: the system prompt and a header
+
+    def prep(
+        table: SlotTable,
+        session: str,
+        caller: str | None,
+        *,
+        parking: bool = True,
+        is_parked: Callable[[str], bool] = lambda _s: False,
+    ) -> Preparation:
+        return table.preparation(
+            0,
+            session,
+            parking=parking,
+            caller=caller,
+            prefix=two,
+            is_parked=is_parked,
+            lent=lambda: copy,
+        )
+
+    # the slot holds another caller's KV: parked, then Ann's copy restored in its place
+    table = _table((BEA_1, BEA, _blocks("one")))
+    assert prep(table, ANN_2, ANN) == Preparation(park=BEA_1, lend=ANN_1)
+    assert prep(table, ANN_2, None) == Preparation(park=BEA_1, erase=True)  # may not share
+    assert prep(table, ANN_2, ANN, parking=False) == Preparation(erase=True)
+    # the job's own copy comes first
+    own = {ANN_2: 1}
+    assert prep(table, ANN_2, ANN, is_parked=own.__contains__) == Preparation(
+        park=BEA_1, restore=True
+    )
+    # a clean slot, or a blind job's leftovers: the copy replaces it
+    table = SlotTable(2, generation=1)
+    assert prep(table, ANN_2, ANN) == Preparation(lend=ANN_1)
+    table.slots[0].hold(Content.KEYLESS)
+    assert prep(table, ANN_2, ANN) == Preparation(lend=ANN_1)
+    # a slot of the caller sharing as much is used as it is; sharing less, the copy wins
+    table = _table((ANN_3, ANN, _blocks("one")))
+    assert prep(table, ANN_2, ANN) == Preparation(park=ANN_3)
+    copy = (ANN_1, len(SYSTEM) + 2)
+    assert prep(table, ANN_2, ANN) == Preparation(park=ANN_3, lend=ANN_1)
+    # once restored, the slot holds chat-1's KV, current: nothing more to do
+    job = object()
+    table.pin(0, job)
+    table.restored(0, job, ANN_1, blocks=_blocks("two", "more"), caller=ANN)
+    current = {ANN_1: 1}
+    assert prep(table, ANN_2, ANN, is_parked=current.__contains__) == Preparation()
+    assert Preparation(park=BEA_1, lend=ANN_1).calls == 2
 
 
 def test_the_slot_records_the_caller_and_forgets_it_with_its_owner() -> None:
