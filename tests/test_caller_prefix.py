@@ -2,11 +2,14 @@
 
 A request whose owner holds no KV for it may start from a slot that another owner of
 the *same caller* left: that owner's KV is parked (as on any handoff), the slot is
-not erased, and the engine keeps only the prefix the two prompts share. Never across
-callers, never for a model that cannot cut its state back (recurrent, hybrid).
+not erased, and the engine keeps only the prefix the two prompts share; or, when no
+slot holds it, from such an owner's parked copy, restored into its slot (a copy: it
+stays that owner's). Replicas route a new owner to its caller's longest prefix. Never
+across callers, never for a model that cannot cut its state back (recurrent, hybrid).
 
 First the policy without I/O (preparation, placement, the slot table's model with
-callers), then the engine's own cached-token counts against a real llama-server.
+callers), then the engine's own cached-token counts against a real llama-server (and
+a bare one, for the count a parked copy must give).
 """
 
 from __future__ import annotations
