@@ -285,7 +285,7 @@ class Host:
             caller_held=None if caller is None else partial(self._caller_blocks, caller=caller),
             lent=None
             if caller is None
-            else {rt.id: self._lent_blocks(rt, caller, owner, prefix) for rt in members},
+            else lambda: {rt.id: self._lent_blocks(rt, caller, owner, prefix) for rt in members},
         )
         return self.models.get(route.member, runtime), route.hit
 

@@ -307,7 +307,7 @@ class ReplicaRouter:
         avoid: Collection[str] = (),
         caller: str | None = None,
         caller_held: Callable[[KvPlace], Prefix | None] | None = None,
-        lent: Mapping[str, int] | None = None,
+        lent: Callable[[], Mapping[str, int]] | None = None,
     ) -> PrefixRoute:
         """Where a request of ``owner`` with blocks ``prefix`` goes, now that they are
         known; ``current`` is the member :meth:`choose` gave it (for ``session``, its
@@ -331,8 +331,8 @@ class ReplicaRouter:
         owner's own places shares a block with ``prefix``, the member whose slot
         holds the longest prefix of it among that caller's (``caller_held(place)``
         says what a slot holds of the caller now, None: nothing) or whose parked
-        copies lent within the caller share the most (``lent``: per member, how many
-        blocks) is taken as above. Another caller's places are never looked at."""
+        copies lent within the caller share the most (``lent()``: per member, how many
+        blocks; asked only then) is taken as above. Another caller's places are never looked at."""
         by_id = {m.id: m for m in members}
         usable = [m for m in members if m.id not in avoid] or list(members)
         healthy = [m for m in usable if m.healthy] or usable
@@ -362,7 +362,7 @@ class ReplicaRouter:
             if member in ids and shared > n:
                 place, n = KvPlace(member, None, owner), shared
         if place is None and caller is not None and caller_held is not None:
-            place, n = self._caller_place(caller, prefix, ids, caller_held, lent or {})
+            place, n = self._caller_place(caller, prefix, ids, caller_held, lent)
         if place is not None:
             holder = by_id[place.member]
             if holder.load - least.load > bound:
@@ -390,7 +390,7 @@ class ReplicaRouter:
         prefix: Prefix,
         ids: Collection[str],
         held: Callable[[KvPlace], Prefix | None],
-        lent: Mapping[str, int],
+        lent: Callable[[], Mapping[str, int]] | None,
     ) -> tuple[KvPlace | None, int]:
         """The place holding the longest prefix of ``prefix`` among ``caller``'s (a slot
         in :attr:`callers`, checked with ``held``; a member's lent parked copies,
@@ -413,7 +413,7 @@ class ReplicaRouter:
             else:
                 self.callers.record(caller, found, now)
             place, n = None, 0
-        for member, shared in lent.items():
+        for member, shared in (lent() if lent is not None else {}).items():
             if member in ids and shared > n:
                 place, n = KvPlace(member), shared
         return place, n
