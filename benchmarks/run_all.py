@@ -127,6 +127,11 @@ BENCHES = (
         _module("kv_return"),
         _module("kv_return", "--repeats", "1", "--tokens", "1000"),
     ),
+    Bench(
+        "caller_prefix",
+        _module("caller_prefix", "--repeats", "3"),
+        _module("caller_prefix", "--repeats", "1", "--system-words", "300"),
+    ),
     Bench("soak", _module("soak", "--minutes", "30"), _module("soak", "--quick")),
     Bench(
         "replica_failover",

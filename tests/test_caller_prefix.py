@@ -2,15 +2,19 @@
 
 A request whose owner holds no KV for it may start from a slot that another owner of
 the *same caller* left: that owner's KV is parked (as on any handoff), the slot is
-not erased, and the engine keeps only the prefix the two prompts share. Never across
-callers, never for a model that cannot cut its state back (recurrent, hybrid).
+not erased, and the engine keeps only the prefix the two prompts share; or, when no
+slot holds it, from such an owner's parked copy, restored into its slot (a copy: it
+stays that owner's). Replicas route a new owner to its caller's longest prefix. Never
+across callers, never for a model that cannot cut its state back (recurrent, hybrid).
 
 First the policy without I/O (preparation, placement, the slot table's model with
-callers), then the engine's own cached-token counts against a real llama-server.
+callers), then the engine's own cached-token counts against a real llama-server (and
+a bare one, for the count a parked copy must give).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +31,10 @@ from gezel_trio.kv.sessions import SessionKeys
 from gezel_trio.scheduler.admission import Admit, Load, choose_slot
 from gezel_trio.scheduler.policy import SchedulerPolicy
 from gezel_trio.scheduler.queues import Job
+from gezel_trio.scheduler.replicas import ReplicaRouter
 from gezel_trio.scheduler.slots import Content, Preparation, SlotTable
 
+from ._engine_bin import ENGINE_LIMITS, open_llama_server
 from .conftest import make_config, running
 from .fault_tools import wait_until
 from .test_keyless_owner import Lane
@@ -126,6 +132,57 @@ def test_never_across_callers_nor_without_a_caller() -> None:
         table.slots[0].hold(content)
         prep = table.preparation(0, ANN_2, caller=ANN, prefix=_blocks("two"))
         assert prep == Preparation(erase=True)
+
+
+def test_a_parked_copy_of_the_caller_is_lent_when_no_slot_shares_as_much() -> None:
+    two = _blocks("two")
+    copy = (ANN_1, len(SYSTEM) + 1)  # chat-1's parked copy: the system prompt and a header
+
+    def prep(
+        table: SlotTable,
+        session: str,
+        caller: str | None,
+        *,
+        parking: bool = True,
+        is_parked: Callable[[str], bool] = lambda _s: False,
+    ) -> Preparation:
+        return table.preparation(
+            0,
+            session,
+            parking=parking,
+            caller=caller,
+            prefix=two,
+            is_parked=is_parked,
+            lent=lambda: copy,
+        )
+
+    # the slot holds another caller's KV: parked, then Ann's copy restored in its place
+    table = _table((BEA_1, BEA, _blocks("one")))
+    assert prep(table, ANN_2, ANN) == Preparation(park=BEA_1, lend=ANN_1)
+    assert prep(table, ANN_2, None) == Preparation(park=BEA_1, erase=True)  # may not share
+    assert prep(table, ANN_2, ANN, parking=False) == Preparation(erase=True)
+    # the job's own copy comes first
+    own = {ANN_2: 1}
+    assert prep(table, ANN_2, ANN, is_parked=own.__contains__) == Preparation(
+        park=BEA_1, restore=True
+    )
+    # a clean slot, or a blind job's leftovers: the copy replaces it
+    table = SlotTable(2, generation=1)
+    assert prep(table, ANN_2, ANN) == Preparation(lend=ANN_1)
+    table.slots[0].hold(Content.KEYLESS)
+    assert prep(table, ANN_2, ANN) == Preparation(lend=ANN_1)
+    # a slot of the caller sharing as much is used as it is; sharing less, the copy wins
+    table = _table((ANN_3, ANN, _blocks("one")))
+    assert prep(table, ANN_2, ANN) == Preparation(park=ANN_3)
+    copy = (ANN_1, len(SYSTEM) + 2)
+    assert prep(table, ANN_2, ANN) == Preparation(park=ANN_3, lend=ANN_1)
+    # once restored, the slot holds chat-1's KV, current: nothing more to do
+    job = object()
+    table.pin(0, job)
+    table.restored(0, job, ANN_1, blocks=_blocks("two", "more"), caller=ANN)
+    current = {ANN_1: 1}
+    assert prep(table, ANN_2, ANN, is_parked=current.__contains__) == Preparation()
+    assert Preparation(park=BEA_1, lend=ANN_1).calls == 2
 
 
 def test_the_slot_records_the_caller_and_forgets_it_with_its_owner() -> None:
@@ -256,6 +313,7 @@ test_callers_share_only_their_own_prefixes = CallerSharingMachine.TestCase
 # --------------------------------------------------------------------------- the engine
 
 KEY_ANN, KEY_BEA = "key-ann-0123456789", "key-bea-0123456789"
+KEY_CAT, KEY_DAN, KEY_EVE = "key-cat-0123456789", "key-dan-0123456789", "key-eve-0123456789"
 SHARED = [300 + (i * 7) % 200 for i in range(512)]  # 8 blocks of 64 tokens
 BLOCK = 64
 
@@ -292,12 +350,16 @@ def _config(model: Path, state_dir: Path, engine_binary: EngineBinary, **schedul
     return make_config(
         [
             ModelConfig(
-                id="tiny", path=str(model), parallel=scheduler.pop("parallel", 1), ctx_per_slot=2048
+                id="tiny",
+                path=str(model),
+                parallel=scheduler.pop("parallel", 1),
+                ctx_per_slot=2048,
+                replicas=scheduler.pop("replicas", 1),
             )
         ],
         state_dir=state_dir,
         engine_binary=engine_binary,
-        server={"api_keys": [KEY_ANN, KEY_BEA]},
+        server={"api_keys": [KEY_ANN, KEY_BEA, KEY_CAT, KEY_DAN, KEY_EVE]},
         scheduler=scheduler,
     )
 
@@ -364,8 +426,9 @@ async def test_another_caller_gets_none_of_it_in_every_mode(
     tiny_model: Path, state_dir: Path, engine_binary: EngineBinary, mode: str
 ) -> None:
     """One slot, so every owner lands on the previous one's KV. Whatever the keyless
-    mode, Bea's requests (named, with Ann's session name, or keyless) get 0 of Ann's
-    tokens, and Ann's none of Bea's; within one caller a new owner shares."""
+    mode, another caller's requests (named, with Ann's session name, or keyless) get 0
+    of Ann's tokens, from her slot or her parked copies, and Ann's none of theirs;
+    within one caller a new owner shares, from the slot or from a parked copy."""
     cfg = _config(tiny_model, state_dir, engine_binary, keyless=mode)
     with trio.fail_after(180):
         async with running(cfg) as (host, client):
@@ -373,12 +436,18 @@ async def test_another_caller_gets_none_of_it_in_every_mode(
             await _idle(host)
             await _shares_exactly(client, KEY_ANN, _prompt(1), _prompt(2), "chat-2")
             await _idle(host)
-            # each of Bea's owners lands on Ann's KV, then each new one of Ann's on Bea's
-            for i, session in enumerate(("chat-2", None, "chat-3")):
-                assert (await _send(client, KEY_BEA, _prompt(2), session))[0] == 0, session
+            # each stranger's owner (a caller with no KV of its own) lands on Ann's KV and
+            # gets none of it; each new one of Ann's then lands on the stranger's, and
+            # starts from her own caller's parked copy of _prompt(2)
+            strangers = (KEY_BEA, KEY_CAT, KEY_DAN)
+            for i, (key, session) in enumerate(
+                zip(strangers, ("chat-2", None, "chat-3"), strict=True)
+            ):
+                assert (await _send(client, key, _prompt(2), session))[0] == 0, session
                 await _idle(host)
-                assert (await _send(client, KEY_ANN, _prompt(2), f"new-{i}"))[0] == 0, session
+                await _shares_exactly(client, KEY_ANN, _prompt(2), _prompt(2), f"new-{i}")
                 await _idle(host)
+            assert _parking(host)["lent_within_caller"] == 3
             # Ann's last owner left the slot: another new session of hers shares
             await _shares_exactly(client, KEY_ANN, _prompt(2), _prompt(5), "chat-4")
             await _idle(host)
@@ -390,11 +459,12 @@ async def test_another_caller_gets_none_of_it_in_every_mode(
             else:
                 assert 0 < cached <= _common(_prompt(5), _prompt(6)) + 1
             await _idle(host)
-            # (a keyless request of Bea's would restore her own parked copy of _prompt(2),
-            # with SHARED in it: her tokens, not Ann's; a new session has none)
-            assert (await _send(client, KEY_BEA, _prompt(6), "bea-new"))[0] == 0
+            assert (await _send(client, KEY_EVE, _prompt(6), "eve-new"))[0] == 0
+            # Ann's handoffs that kept her caller's prefix: chat-2, new-0 to new-2 (but
+            # new-1 after a blind request: no owner's slot handed off), chat-4, and her
+            # keyless owner where it shares
             shared = _parking(host)["shared_within_caller"]
-            assert shared == (3 if mode == "shared" else 2)
+            assert shared == {"shared": 6, "conversation": 5, "blind": 4}[mode]
 
 
 async def test_turned_off_a_new_session_starts_from_an_erased_slot(
@@ -409,13 +479,25 @@ async def test_turned_off_a_new_session_starts_from_an_erased_slot(
             assert host.scheduler is not None
             assert host.scheduler.statistics().erases["ok"] >= 1
             assert _parking(host)["shared_within_caller"] == 0
+            await _idle(host)
+            # chat-1 and chat-2 are parked now; a new session with chat-1's prompt
+            # (a copy ending at a block boundary it shares) still starts cold
+            kv = host.kv
+            assert kv is not None and kv.copies("tiny", _owner_of(host, KEY_ANN, "chat-1"))
+            assert all(e.share_caller is None for e in kv.sessions())
+            assert (await _send(client, KEY_ANN, _prompt(1), "chat-3"))[0] == 0
+            assert _parking(host)["lent_within_caller"] == 0
 
 
 async def test_a_recurrent_model_still_erases(
     models_dir: Path, state_dir: Path, engine_binary: EngineBinary
 ) -> None:
     """A Mamba model cannot roll its state back to a shared prefix: a new session of
-    the caller gets an erased slot, as before."""
+    the caller gets an erased slot, as before, and never another session's parked copy
+    (its copies are lent to nobody), though the copy is there: even a copy ending where
+    the request goes on (a shared block boundary) is not lent; only an exact
+    boundary, which the host does not know for the generated tokens a copy ends with,
+    would be safe."""
     from gezel_trio.engine.demo_model import write_demo_model
 
     path = models_dir / "prefix-mamba.gguf"
@@ -431,3 +513,118 @@ async def test_a_recurrent_model_still_erases(
             assert host.scheduler is not None
             assert host.scheduler.statistics().erases["ok"] >= 1
             assert _parking(host)["shared_within_caller"] == 0
+            await _idle(host)
+            # chat-1 and chat-2 are parked now; a new session with chat-1's prompt
+            # (a copy ending at a block boundary it shares) still starts cold
+            kv = host.kv
+            assert kv is not None and kv.copies("tiny", _owner_of(host, KEY_ANN, "chat-1"))
+            assert all(e.share_caller is None for e in kv.sessions())
+            assert (await _send(client, KEY_ANN, _prompt(1), "chat-3"))[0] == 0
+            assert _parking(host)["lent_within_caller"] == 0
+
+
+def _owner_of(host: Host, key: str, name: str) -> str:
+    """The owner the host keys ``key``'s session ``name`` under."""
+    return host.sessions.session(host.sessions.caller(key), name)
+
+
+OTHER = [250 - (i * 11) % 150 for i in range(300)]  # shares no block with _prompt(n)
+
+
+async def _bare_cached(model: Path, first: list[int], second: list[int]) -> int:
+    """The engine's own truth: a bare llama-server, one slot, ``first`` then ``second``
+    as :func:`_send` sends them: the cached tokens it reports for ``second``."""
+    async with (
+        open_llama_server(model, parallel=1, ctx=2048) as bare,
+        httpx.AsyncClient(base_url=bare.base_url, limits=ENGINE_LIMITS, timeout=60) as direct,
+    ):
+        cached = -1
+        for prompt in (first, second):
+            body = {"prompt": prompt, "n_predict": 2, "temperature": 0, "id_slot": 0}
+            r = await direct.post("/completion", json=body)
+            assert r.status_code == 200, r.text
+            cached = int(r.json()["timings"]["cache_n"])
+        return cached
+
+
+async def test_a_new_session_starts_from_its_callers_parked_copy(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    """One slot. Ann's chat-1 is parked when Bea takes the slot. Ann's new chat-2 finds
+    no slot of her caller holding a prefix of it, but chat-1's parked copy: restored
+    into the slot, the engine keeps exactly the prefix the two prompts share, as many
+    cached tokens as a bare llama-server reports for the same two prompts on one slot.
+    The copy stays chat-1's (it comes back to it whole), and Bea's new session with
+    Ann's very prompt gets 0."""
+    with trio.fail_after(240):
+        expected = await _bare_cached(tiny_model, _prompt(1), _prompt(2))
+        assert expected >= len(SHARED)  # the engine keeps the shared prefix
+        cfg = _config(tiny_model, state_dir, engine_binary)
+        async with running(cfg) as (host, client):
+            assert (await _send(client, KEY_ANN, _prompt(1), "chat-1"))[0] == 0
+            await _idle(host)
+            assert (await _send(client, KEY_BEA, OTHER, "bea-1"))[0] == 0
+            await _idle(host)
+            assert host.kv is not None
+            lent = host.kv.copies("tiny", _owner_of(host, KEY_ANN, "chat-1"))
+            assert [e.share_caller for e in lent] == [host.sessions.caller(KEY_ANN)]
+            cached, _ = await _send(client, KEY_ANN, _prompt(2), "chat-2")
+            assert cached == expected
+            parking = _parking(host)
+            assert parking["lent_within_caller"] == 1 and parking["shared_within_caller"] == 1
+            await _idle(host)
+            # Bea, a new session with Ann's very prompt: Ann's copies are not hers
+            assert (await _send(client, KEY_BEA, _prompt(2), "bea-2"))[0] == 0
+            await _idle(host)
+            # her own next session shares her own tokens (the slot she left)
+            await _shares_exactly(client, KEY_BEA, _prompt(2), _prompt(1), "bea-3")
+            assert _parking(host)["lent_within_caller"] == 1
+            await _idle(host)
+            # chat-1's copy is still chat-1's, whole: it continues from all of it
+            cached, _ = await _send(client, KEY_ANN, [*_prompt(1), 7, 8], "chat-1")
+            assert cached >= len(_prompt(1)) - 1
+
+
+async def test_replicas_route_a_new_session_to_its_callers_prefix(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    """Two replicas of one slot each. A new session of Ann's goes to the member whose
+    slot holds her caller's prefix, then, once another caller took that slot, to the
+    member holding her caller's parked copies, where it starts from one: the engines'
+    own cached tokens say so, where routing by load alone would send it to the member
+    given fewer sessions, which holds none of it. Other callers' new sessions with
+    Ann's prompts are routed as if her prefixes did not exist, and get 0."""
+    cfg = _config(tiny_model, state_dir, engine_binary, replicas=2)
+    with trio.fail_after(240):
+        async with running(cfg) as (host, client):
+            router = host.routers.setdefault("tiny", ReplicaRouter())
+
+            def hits() -> dict[str, int]:
+                return {m: c.hits for m, c in router.prefix.items() if c.hits}
+
+            assert (await _send(client, KEY_ANN, _prompt(1), "chat-1"))[0] == 0
+            await _idle(host)
+            before = hits()
+            await _shares_exactly(client, KEY_ANN, _prompt(1), _prompt(2), "chat-2")
+            holder = [m for m, n in hits().items() if n > before.get(m, 0)]
+            assert len(holder) == 1
+            ann = holder[0]  # the member with Ann's slot, given both her sessions
+            await _idle(host)
+            before = hits()
+            assert (await _send(client, KEY_BEA, _prompt(2), "bea-1"))[0] == 0
+            assert hits() == before  # no prefix of hers anywhere: routed by load
+            await _idle(host)
+            # Cat takes the slot of Ann's member (named by its own id): Ann's KV parked
+            body = {"model": ann, "prompt": OTHER, "n_predict": 2, "temperature": 0}
+            headers = {"Authorization": f"Bearer {KEY_CAT}"}
+            r = await client.post("/completion", json=body, headers=headers)
+            assert r.status_code == 200 and r.json()["timings"]["cache_n"] == 0
+            await _idle(host)
+            before = hits()
+            await _shares_exactly(client, KEY_ANN, _prompt(2), _prompt(3), "chat-3")
+            assert hits()[ann] == before[ann] + 1  # routed to her caller's parked copies
+            assert _parking(host)["lent_within_caller"] == 1
+            await _idle(host)
+            before = hits()
+            assert (await _send(client, KEY_DAN, _prompt(3), "dan-1"))[0] == 0
+            assert hits() == before

@@ -286,10 +286,13 @@ async def test_the_engines_ram_prompt_cache_cannot_hand_a_session_anothers_kv(
     # the engine's truth on this build (it holds with the RAM cache on by default)
     print(f"plain llama-server: {leaked} tokens of an earlier prompt came back from its RAM cache")
 
+    # Sessions a and b are one caller's: with prefix sharing within a caller on, b would
+    # rightly start from a's parked copy. Off, any token b gets back is the RAM cache's.
     cfg = make_config(
         [ModelConfig(id="tiny", path=str(tiny_model), parallel=1, ctx_per_slot=2048)],
         state_dir=state_dir,
         engine_binary=engine_binary,
+        scheduler={"share_prefix_within_caller": False},
     )
     async with running(cfg) as (host, client):
         r = await client.post("/completion", json=body(first, model="tiny", prompt_cache_key="a"))

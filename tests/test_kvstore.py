@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import trio
 import trio.lowlevel
 
 from gezel_trio.engine.argv import kv_shape_flags
+from gezel_trio.kv.prefix import prefix_blocks
 from gezel_trio.kv.store import FILE_PATTERN, KvCompat, KvEntry, KvStore
 
 COMPAT = KvCompat(model_file="/m/tiny.gguf|100|1", build="b1", kv_flags=kv_shape_flags([]))
@@ -324,3 +326,54 @@ async def test_cancellation_while_a_copy_is_indexed_or_dropped_leaves_no_file(
     assert scope.cancelled_caught
     assert store.sessions() == [] and list(store.dirs["a"].iterdir()) == []
     assert _open(tmp_path).sessions() == []
+
+
+async def test_a_copy_is_lent_only_within_the_caller_it_was_saved_for(tmp_path: Path) -> None:
+    """``find_lent``: another owner's copy of the request's caller, sharing the most
+    blocks; never another caller's, nor a copy lent to nobody, nor the request's own
+    owner's; and ``share_caller`` survives reopening (an older index gains the column)."""
+    system = ["system prompt", "tools"]
+    store = _open(tmp_path)
+    now = time.time()
+
+    async def park(session: str, caller: str, share: str | None, *parts: str) -> KvEntry:
+        name = store.new_file_name(session)
+        (store.dirs["a"] / name).write_bytes(b"x" * 10)
+        blocks = prefix_blocks([*system, *parts])
+        entry = KvEntry("a", session, caller, name, COMPAT, 5, 10, now, now, blocks, share)
+        await store.put(entry)
+        return entry
+
+    short = await park("ann-1", "ann", "ann", "u1")
+    longer = await park("ann-2", "ann", "ann", "u2", "u3")
+    await park("bea-1", "bea", "bea", "u2", "u3", "u4")  # shares more: Bea's
+    await park("ann-3", "ann", None, "u2", "u3", "u4")  # shares more: lent to nobody
+    request = prefix_blocks([*system, "u2", "u3", "u5"])
+
+    def lent(caller: str, besides: str, prefix: tuple[int, ...] = request) -> KvEntry | None:
+        return store.find_lent(
+            "a", caller, COMPAT, ctx_per_slot=1024, prefix=prefix, besides=besides
+        )
+
+    assert lent("ann", "ann-9") == longer
+    assert lent("ann", "ann-2") == short  # its own copy is no loan
+    assert lent("ann", "ann-9", prefix_blocks(["another prompt"])) is None
+    found = lent("bea", "bea-9")
+    assert found is not None and found.session == "bea-1"
+    assert lent("cat", "cat-1") is None
+    assert (
+        store.find_lent("b", "ann", COMPAT, ctx_per_slot=1024, prefix=request, besides="x") is None
+    )  # per model
+    again = _open(tmp_path)
+    assert {e.session: e.share_caller for e in again.sessions()} == {
+        "ann-1": "ann",
+        "ann-2": "ann",
+        "bea-1": "bea",
+        "ann-3": None,
+    }
+    # an index from before the column: opened, every copy lent to nobody
+    with sqlite3.connect(tmp_path / "kv.sqlite") as conn:
+        conn.execute("ALTER TABLE parked DROP COLUMN share_caller")
+    old = _open(tmp_path)
+    assert len(old.sessions()) == 4 and all(e.share_caller is None for e in old.sessions())
+    assert old.find_lent("a", "ann", COMPAT, ctx_per_slot=1024, prefix=request, besides="x") is None

@@ -1022,11 +1022,20 @@ class ParkingFakeLane(FakeLane):
     def is_current(self, session: str, blocks: Prefix) -> bool:
         return session in self.parked
 
+    def lent_copy(self, caller: str, session: str, prefix: Prefix) -> tuple[str, Prefix] | None:
+        return None  # its jobs have no caller to share within
+
     def note_miss(self) -> None:
         self.misses += 1
 
     async def park_slot(
-        self, slot_id: int, session: str, blocks: Prefix = (), *, within: float = math.inf
+        self,
+        slot_id: int,
+        session: str,
+        blocks: Prefix = (),
+        *,
+        within: float = math.inf,
+        share_caller: str | None = None,
     ) -> int:
         self.parked[session] = self.slots[slot_id].kv
         await trio.sleep(self.park_time)
@@ -1039,8 +1048,9 @@ class ParkingFakeLane(FakeLane):
         prefix: Prefix | None = None,
         *,
         within: float = math.inf,
+        lent_to: str | None = None,
     ) -> int:
-        if session not in self.parked:
+        if session not in self.parked or lent_to is not None:
             return 0
         self.slots[slot_id].kv = self.parked[session]
         await trio.sleep(self.park_time)

@@ -255,12 +255,20 @@ class Host:
         return views
 
     def _route_by_prefix(
-        self, public: str, runtime: ModelRuntime, *, owner: str, keyless: bool, prefix: Prefix
+        self,
+        public: str,
+        runtime: ModelRuntime,
+        *,
+        owner: str,
+        keyless: bool,
+        prefix: Prefix,
+        caller: str | None = None,
     ) -> tuple[ModelRuntime, bool]:
         """The member a request of ``owner`` with blocks ``prefix`` goes to, now that
         they are known (``runtime``: the member :meth:`resolve_model` chose), and
         whether it goes there because that member holds a prefix of it (see
-        :meth:`ReplicaRouter.by_prefix`). Plain state, no I/O."""
+        :meth:`ReplicaRouter.by_prefix`; ``caller``: the owner may start from a prefix
+        of that caller's, :meth:`_sharing`). Plain state, no I/O."""
         router = self.routers.setdefault(public, ReplicaRouter())
         members = self.replica_members(public)
         session = None if keyless else owner
@@ -273,8 +281,36 @@ class Host:
             bound=self.config.scheduler.prefix_load_bound,
             held=lambda place: self._held_blocks(place, owner, router),
             parked={rt.id: self._parked_blocks(rt.id, owner, prefix) for rt in members},
+            caller=caller,
+            caller_held=None if caller is None else partial(self._caller_blocks, caller=caller),
+            lent=None
+            if caller is None
+            else lambda: {rt.id: self._lent_blocks(rt, caller, owner, prefix) for rt in members},
         )
         return self.models.get(route.member, runtime), route.hit
+
+    def _caller_blocks(self, place: KvPlace, *, caller: str) -> Prefix | None:
+        """What ``place`` (a member's slot) holds of ``caller``'s shared prefixes now,
+        from the member's slot table: its blocks, or None when the slot holds no KV of
+        an owner of ``caller`` that shares within it."""
+        if self.scheduler is None or place.slot is None:
+            return None
+        try:
+            table = self.scheduler.table(place.member)
+        except KeyError:
+            return None
+        if place.slot >= len(table):
+            return None
+        entry = table.slots[place.slot]
+        if entry.content is not Content.OWNED or entry.caller != caller:
+            return None
+        return entry.blocks
+
+    def _lent_blocks(self, member: ModelRuntime, caller: str, owner: str, prefix: Prefix) -> int:
+        """How many leading blocks of ``prefix`` the best parked copy that ``member``
+        would lend a request of ``owner`` within ``caller`` holds (0: none)."""
+        found = member.lent_copy(caller, owner, prefix)
+        return 0 if found is None else shared_blocks(found[1], prefix)
 
     def _held_blocks(self, place: KvPlace, owner: str, router: ReplicaRouter) -> Prefix | None:
         """What ``place`` (a member's slot) holds of ``owner`` now, from the member's slot
@@ -341,24 +377,34 @@ class Host:
         block; pin, lease and hold are released at scope exit on every path.
         """
         assert self.scheduler is not None, "the host is not open"
-        share = (
-            caller is not None
-            and session is not None
-            and self.config.scheduler.share_prefix_within_caller
-            and runtime.cuts_back
-        )
+        caller = self._sharing(runtime, session, caller)
         return self.scheduler.slot(
             runtime.id,
             session=session,
             keyless=keyless,
             prefix=prefix,
-            caller=caller if share else None,
-            parked=share and runtime.is_parked(session, prefix),
+            caller=caller,
+            parked=caller is not None and runtime.is_parked(session, prefix),
             kind=kind,
             any_slot=any_slot,
             needs_slot=needs_slot,
             pool=pool,
         )
+
+    def _sharing(
+        self, runtime: ModelRuntime, session: str | None, caller: str | None
+    ) -> str | None:
+        """``caller`` when a job of ``session`` on ``runtime`` may start from a prefix
+        another owner of that caller left (``[scheduler] share_prefix_within_caller``
+        on, an owner, an engine that cuts a slot back exactly), else None."""
+        if (
+            caller is None
+            or session is None
+            or not self.config.scheduler.share_prefix_within_caller
+            or not runtime.cuts_back
+        ):
+            return None
+        return caller
 
     @asynccontextmanager
     async def completion_slot(
@@ -390,7 +436,12 @@ class Host:
         by_prefix = False  # routed to a member holding a prefix of the request
         if public is not None and session is not None and prefix:
             runtime, by_prefix = self._route_by_prefix(
-                public, runtime, owner=session, keyless=keyless, prefix=prefix
+                public,
+                runtime,
+                owner=session,
+                keyless=keyless,
+                prefix=prefix,
+                caller=self._sharing(runtime, session, caller),
             )
         async with AsyncExitStack() as stack:
             while True:
@@ -441,6 +492,7 @@ class Host:
                     session,
                     KvPlace(member.id, grant.slot_id),
                     prefix,
+                    caller=self._sharing(member, session, caller),
                 )
                 record()
                 stack.callback(record)

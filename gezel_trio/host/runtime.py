@@ -507,6 +507,22 @@ class ModelRuntime:
         entry = self._parked_entry(session, prefix)
         return None if entry is None else entry.blocks
 
+    def lent_copy(self, caller: str, session: str, prefix: Prefix) -> tuple[str, Prefix] | None:
+        """The parked copy of another owner of ``caller`` (not ``session``) that a request
+        of ``session`` with blocks ``prefix`` may start from (see
+        :meth:`KvStore.find_lent`): its owner and its blocks; None: none."""
+        if self.kv is None or not self.parking_enabled or not prefix:
+            return None
+        entry = self.kv.find_lent(
+            self.id,
+            caller,
+            self.kv_compat(),
+            ctx_per_slot=self.ctx_per_slot,
+            prefix=prefix,
+            besides=session,
+        )
+        return None if entry is None else (entry.session, entry.blocks)
+
     def is_current(self, session: str, blocks: Prefix) -> bool:
         """Whether a parked copy of ``session`` holds exactly ``blocks`` (a slot with that
         content needs no save)."""
@@ -518,12 +534,19 @@ class ModelRuntime:
             self.kv_stats.misses += 1
 
     async def park_slot(
-        self, slot_id: int, session: str, blocks: Prefix = (), *, within: float = math.inf
+        self,
+        slot_id: int,
+        session: str,
+        blocks: Prefix = (),
+        *,
+        within: float = math.inf,
+        share_caller: str | None = None,
     ) -> int:
         """Save ``session``'s KV from ``slot_id`` into the store as a copy of ``blocks``
         (a new file; the session's copies it continues are deleted once the index points
         at this one, see :meth:`KvStore.put`): the tokens saved, 0 when the slot held
-        none (nothing is kept).
+        none (nothing is kept). ``share_caller``: the caller whose other owners may
+        start from the copy (:attr:`KvEntry.share_caller`; None: nobody).
 
         Raises on failure (the caller then erases instead): the engine's error, or
         EngineFailed when the save took longer than ``within`` seconds; a failure is counted
@@ -539,7 +562,7 @@ class ModelRuntime:
         name = kv.new_file_name(session)
         try:
             with trio.move_on_after(within):
-                return await self._save(kv, slot_id, session, blocks, name)
+                return await self._save(kv, slot_id, session, blocks, name, share_caller)
             raise EngineFailed(f"the engine did not save slot {slot_id} within {within:g}s")
         except trio.Cancelled:
             stats.save_cancelled += 1
@@ -560,7 +583,13 @@ class ModelRuntime:
                 kv.discard_file(self.id, name)
 
     async def _save(
-        self, kv: KvStore, slot_id: int, session: str, blocks: Prefix, name: str
+        self,
+        kv: KvStore,
+        slot_id: int,
+        session: str,
+        blocks: Prefix,
+        name: str,
+        share_caller: str | None,
     ) -> int:
         """The I/O of :meth:`park_slot`: the engine's save, then the index's entry."""
         stats = self.kv_stats
@@ -584,6 +613,7 @@ class ModelRuntime:
                 saved_at=now,
                 used_at=now,
                 blocks=tuple(blocks),
+                share_caller=share_caller,
             )
         )
         stats.saves += 1
@@ -600,10 +630,14 @@ class ModelRuntime:
         prefix: Prefix | None = None,
         *,
         within: float = math.inf,
+        lent_to: str | None = None,
     ) -> int:
         """Restore ``session``'s parked copy for a request of ``prefix`` blocks (the one
         :meth:`parked_blocks` names) into ``slot_id``; the tokens restored, 0 when
         nothing was (none parked, or the restore did not take: counted, and dropped).
+        ``lent_to`` (a caller): instead, the copy of another owner of that caller that
+        :meth:`lent_copy` names for a request of ``session``; the copy stays its
+        owner's (a restore copies the file into the slot).
 
         A restore replaces the slot's whole content, so it also isolates the slot
         from its previous owner. Raises on an engine error (the entry is dropped, the
@@ -616,7 +650,19 @@ class ModelRuntime:
         kv = self.kv
         if kv is None or self.engine.base_url is None or not self.parking_enabled:
             return 0
-        entry = self._parked_entry(session, prefix)
+        if lent_to is None:
+            entry = self._parked_entry(session, prefix)
+        elif prefix:
+            entry = kv.find_lent(
+                self.id,
+                lent_to,
+                self.kv_compat(),
+                ctx_per_slot=self.ctx_per_slot,
+                prefix=prefix,
+                besides=session,
+            )
+        else:
+            entry = None
         if entry is None:
             return 0
         stats = self.kv_stats
@@ -652,7 +698,7 @@ class ModelRuntime:
         stats.restore_ms += (time.perf_counter() - t0) * 1000
         if self.metrics is not None:
             self.metrics.kv_park(self.id, "restore", time.perf_counter() - t0)
-        await kv.touch(self.id, session, entry.file)
+        await kv.touch(self.id, entry.session, entry.file)
         return restored
 
     def verify_restore(self, restored: int, prompt: int | None, cached: int | None) -> None:

@@ -97,13 +97,16 @@ CREATE TABLE IF NOT EXISTS parked (
     saved_at REAL NOT NULL,
     used_at REAL NOT NULL,
     blocks BLOB NOT NULL DEFAULT x'',
+    share_caller TEXT,
     PRIMARY KEY (model, file)
 )
 """
 _LEGACY_TABLE = "kv"
 """The index of the stores that kept one copy per session (blocks unknown): read once
 into :data:`_SCHEMA`'s table, then dropped."""
-_COLUMNS = "model, session, caller, file, compat, tokens, bytes, saved_at, used_at, blocks"
+_COLUMNS = (
+    "model, session, caller, file, compat, tokens, bytes, saved_at, used_at, blocks, share_caller"
+)
 
 
 def pack_blocks(blocks: Prefix) -> bytes:
@@ -181,6 +184,10 @@ class KvEntry:
     saved_at: float
     used_at: float
     blocks: Prefix = ()
+    share_caller: str | None = None
+    """The caller whose other owners may start from this copy's prefix (a restore
+    copies it into their slot; it stays this session's): the caller of a slot that
+    shared prefixes within its caller when it was saved. None: nobody's."""
 
     @property
     def session_id(self) -> str:
@@ -320,6 +327,9 @@ class KvStore:
             d.mkdir(parents=True, exist_ok=True)
         with store._connect() as conn:
             conn.execute(_SCHEMA)
+            columns = {row[1] for row in conn.execute("PRAGMA table_info(parked)")}
+            if "share_caller" not in columns:  # an index from before prefix lending
+                conn.execute("ALTER TABLE parked ADD COLUMN share_caller TEXT")
             legacy = conn.execute(
                 "SELECT name FROM sqlite_master WHERE type = 'table' AND name = ?",
                 (_LEGACY_TABLE,),
@@ -327,12 +337,15 @@ class KvStore:
             if legacy is not None:
                 conn.execute(
                     f"INSERT OR IGNORE INTO parked ({_COLUMNS}) SELECT model, session, caller, "
-                    f"file, compat, tokens, bytes, saved_at, used_at, x'' FROM {_LEGACY_TABLE}"
+                    "file, compat, tokens, bytes, saved_at, used_at, x'', NULL "
+                    f"FROM {_LEGACY_TABLE}"
                 )
                 conn.execute(f"DROP TABLE {_LEGACY_TABLE}")
             rows = conn.execute(f"SELECT {_COLUMNS} FROM parked").fetchall()
         gone: list[tuple[str, str]] = []
-        for model, session, caller, file, compat, tokens, size, saved_at, used_at, blocks in rows:
+        for row in rows:
+            model, session, caller, file, compat, tokens, size, saved_at, used_at, blocks = row[:10]
+            share = row[10] if isinstance(row[10], str) else None
             home = store.dirs.get(model)
             try:
                 entry = KvEntry(
@@ -346,6 +359,7 @@ class KvStore:
                     float(saved_at),
                     float(used_at),
                     unpack_blocks(blocks if isinstance(blocks, bytes) else None),
+                    share,
                 )
             except (ValueError, KeyError, TypeError):
                 gone.append((model, file))
@@ -438,18 +452,53 @@ class KvStore:
                 if score == 0:
                     continue  # another conversation of the owner
             ranked.append((score, entry.used_at, entry))
+        return self._first_fitting(ranked, compat, ctx_per_slot)
+
+    def find_lent(
+        self,
+        model: str,
+        caller: str,
+        compat: KvCompat,
+        *,
+        ctx_per_slot: int | None,
+        prefix: Prefix,
+        besides: str,
+    ) -> KvEntry | None:
+        """The copy of another owner of ``caller`` (not ``besides``, the request's own)
+        on ``model`` that a request of ``prefix`` blocks may start from: lent within
+        its caller (its :attr:`KvEntry.share_caller` is ``caller``), sharing the most
+        leading blocks with ``prefix`` (more than message headers; ties: the most
+        recently used), and fitting as :meth:`find` checks (a copy that no longer
+        fits is dropped). None: none. Never another caller's copy."""
+        ranked: list[tuple[int, float, KvEntry]] = []
+        for (home, session), copies in self._entries.items():
+            if home != model or session == besides:
+                continue
+            for entry in copies.values():
+                if entry.share_caller != caller or not entry.blocks:
+                    continue
+                score = shared_blocks(entry.blocks, prefix)
+                if score:
+                    ranked.append((score, entry.used_at, entry))
+        return self._first_fitting(ranked, compat, ctx_per_slot)
+
+    def _first_fitting(
+        self, ranked: list[tuple[int, float, KvEntry]], compat: KvCompat, ctx: int | None
+    ) -> KvEntry | None:
+        """The best-ranked entry that still loads into the engine (``compat``, a slot of
+        ``ctx`` tokens); the ones ahead of it that do not are dropped and counted."""
         ranked.sort(key=lambda r: (r[0], r[1]), reverse=True)
         for _score, _used, entry in ranked:
             reason = entry.compat.difference(compat)
-            if reason is None and ctx_per_slot is not None and entry.tokens > ctx_per_slot:
-                reason = f"{entry.tokens} tokens do not fit a slot of {ctx_per_slot}"
+            if reason is None and ctx is not None and entry.tokens > ctx:
+                reason = f"{entry.tokens} tokens do not fit a slot of {ctx}"
             if reason is None:
                 return entry
-            self.model_stats(model).dropped_incompatible += 1
+            self.model_stats(entry.model).dropped_incompatible += 1
             log.info(
                 "parked KV of session %s on %s is not restored: %s; dropped",
                 entry.session_id,
-                model,
+                entry.model,
                 reason,
             )
             self._forget(entry)
@@ -607,7 +656,8 @@ class KvStore:
         with self._connect() as conn:
             conn.execute("BEGIN")
             conn.execute(
-                f"INSERT OR REPLACE INTO parked ({_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT OR REPLACE INTO parked ({_COLUMNS}) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     entry.model,
                     entry.session,
@@ -619,6 +669,7 @@ class KvStore:
                     entry.saved_at,
                     entry.used_at,
                     pack_blocks(entry.blocks),
+                    entry.share_caller,
                 ),
             )
             self._delete_rows(conn, replaced)

@@ -40,6 +40,11 @@ class ParkingLane(Protocol):
         """The blocks of the copy a restore for ``prefix`` would bring back (None: none)."""
         ...
 
+    def lent_copy(self, caller: str, session: str, prefix: Prefix) -> tuple[str, Prefix] | None:
+        """The parked copy of another owner of ``caller`` that a request of ``session``
+        with blocks ``prefix`` may start from (its owner and blocks; None: none)."""
+        ...
+
     def is_current(self, session: str, blocks: Prefix) -> bool:
         """Whether a parked copy of ``session`` holds exactly ``blocks``."""
         ...
@@ -49,10 +54,17 @@ class ParkingLane(Protocol):
         ...
 
     async def park_slot(
-        self, slot_id: int, session: str, blocks: Prefix = (), *, within: float = math.inf
+        self,
+        slot_id: int,
+        session: str,
+        blocks: Prefix = (),
+        *,
+        within: float = math.inf,
+        share_caller: str | None = None,
     ) -> int:
         """Save the slot's KV for ``session`` as a copy of ``blocks``: the tokens saved
-        (0: the slot was empty). Raises when it fails or takes longer than ``within`` seconds
+        (0: the slot was empty); ``share_caller``: the caller whose other owners may
+        start from it (None: nobody). Raises when it fails or takes longer than ``within`` seconds
         (a failure, logged with its reason); cancellation is no failure."""
         ...
 
@@ -63,10 +75,12 @@ class ParkingLane(Protocol):
         prefix: Prefix | None = None,
         *,
         within: float = math.inf,
+        lent_to: str | None = None,
     ) -> int:
         """Restore ``session``'s parked copy for ``prefix`` into the slot: the tokens
-        restored (0: none). Raises when it fails or takes longer than ``within`` seconds
-        (logged with its reason); cancellation is no failure."""
+        restored (0: none). ``lent_to`` (a caller): the copy :meth:`lent_copy` names
+        for a request of ``session`` instead. Raises when it fails or takes longer than
+        ``within`` seconds (logged with its reason); cancellation is no failure."""
         ...
 
 

@@ -56,6 +56,8 @@ class _IdleSave:
     slot: int
     session: str
     blocks: Prefix
+    caller: str | None
+    """The slot's caller, whose other owners may start from the copy (None: nobody)."""
     mark: _Cleanup
     hold: AbstractContextManager[object]
     done: trio.Event
@@ -142,7 +144,11 @@ class SlotMaintenance:
             try:
                 try:
                     tokens = await lane.park_slot(
-                        entry.id, session, entry.blocks, within=self.settings.park_timeout
+                        entry.id,
+                        session,
+                        entry.blocks,
+                        within=self.settings.park_timeout,
+                        share_caller=entry.caller,
                     )
                 except Exception:  # the lane logged why
                     self._policy.note_park(ok=False)
@@ -327,7 +333,9 @@ class SlotMaintenance:
         hold.__enter__()
         done = trio.Event()
         self._saves[(model_id, slot)] = done
-        return _IdleSave(model_id, lane, slot, session, entry.blocks, mark, hold, done)
+        return _IdleSave(
+            model_id, lane, slot, session, entry.blocks, entry.caller, mark, hold, done
+        )
 
     async def _run_idle_save(self, save: _IdleSave) -> None:
         """The I/O of a save begun by :meth:`_begin_idle_save` (within ``park_timeout``).
@@ -338,7 +346,11 @@ class SlotMaintenance:
             assert can_park(save.lane)
             try:
                 tokens = await save.lane.park_slot(
-                    save.slot, save.session, save.blocks, within=self.settings.park_timeout
+                    save.slot,
+                    save.session,
+                    save.blocks,
+                    within=self.settings.park_timeout,
+                    share_caller=save.caller,
                 )
             except Exception:
                 failed = True

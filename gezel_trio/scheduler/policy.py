@@ -168,6 +168,7 @@ class SchedulerPolicy:
         self.handoffs = 0  # owner jobs placed on another owner's slot
         self.handoff_calls = 0  # upstream calls those made: park, restore, erase, request
         self.shared_prefixes = 0  # of those, sent onto their caller's other owner's prefix
+        self.lent_prefixes = 0  # restores of another owner's parked copy of the job's caller
         self.reconciliations = 0
         self.held_out = 0  # slots found busy with work the host did not send
         self.failovers = 0  # queued jobs moved off a member that went down
@@ -845,10 +846,12 @@ class SchedulerPolicy:
         """A handoff found the outgoing owner's parked copy current: no save."""
         self.parks_skipped += 1
 
-    def note_restore(self, *, ok: bool) -> None:
-        """A restore of a parked copy into a slot took (``ok``) or did not."""
+    def note_restore(self, *, ok: bool, lent: bool = False) -> None:
+        """A restore of a parked copy into a slot took (``ok``) or did not; ``lent``: the
+        copy of another owner of the job's caller, that the job starts from."""
         if ok:
             self.parks_restored += 1
+            self.lent_prefixes += lent
         else:
             self.parks_failed += 1
 
@@ -934,6 +937,7 @@ class SchedulerPolicy:
                 "handoffs": self.handoffs,
                 "handoff_calls": self.handoff_calls,
                 "shared_within_caller": self.shared_prefixes,
+                "lent_within_caller": self.lent_prefixes,
             },
             pool={"failovers": self.failovers, "pooled": self.pooled},
             admissions=self.admissions,

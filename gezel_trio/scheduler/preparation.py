@@ -12,7 +12,9 @@ erase is not acknowledged the request fails (503) and the slot stays unknown.
 A job that may share its caller's prefixes (``job.caller``) is sent onto a slot
 of another owner of that caller without an erase, once that owner's KV is parked:
 the engine keeps only the prefix the two share (an attention model; the host sets
-``caller`` for no other). A keyless job without an owner (``[scheduler] keyless =
+``caller`` for no other). When no slot holds such a prefix but a parked copy of
+another owner of the caller does, that copy is restored into the job's slot first
+(it stays its owner's), and the same holds. A keyless job without an owner (``[scheduler] keyless =
 "blind"``) is blind
 (``grant.blind``: the caller sends it with ``cache_prompt`` off, so it reads
 nothing the slot held) and needs no erase before it.
@@ -149,6 +151,14 @@ class SlotPreparer:
             blocks = lane.parked_blocks(session, prefix)
             return None if blocks is None else shared_blocks(blocks, prefix)
 
+        lend_failed = False
+
+        def lent() -> tuple[str, int] | None:
+            if lend_failed or job.caller is None or job.session is None or not can_park(lane):
+                return None
+            found = lane.lent_copy(job.caller, job.session, prefix)
+            return None if found is None else (found[0], shared_blocks(found[1], prefix))
+
         first_owner = self._policy.table_of(job).owner(slot)
         handoff = job.session is not None and first_owner not in (None, job.session)
         shared = False  # sent onto another owner's KV of its caller: the engine cuts it back
@@ -165,6 +175,7 @@ class SlotPreparer:
                 is_current=is_current,
                 parked_shares=parked_shares,
                 caller=job.caller,
+                lent=lent,
             )
             owner = table.owner(slot)
             shared = bool(table.shares_with(slot, job.session, job.caller, prefix))
@@ -177,6 +188,7 @@ class SlotPreparer:
                 and job.session is not None
                 and owner != job.session
                 and not prep.restore
+                and prep.lend is None
             ):
                 assert can_park(lane)
                 lane.note_miss()
@@ -194,6 +206,13 @@ class SlotPreparer:
                     erased = True
                 else:
                     restore_failed = True
+            elif prep.lend is not None:
+                assert can_park(lane)
+                restored = await self._lend(job, lane, prep.lend)
+                if restored:
+                    erased = True
+                else:
+                    lend_failed = True
             elif prep.erase:
                 await self._erase(job, lane)
                 erased = True
@@ -216,8 +235,11 @@ class SlotPreparer:
         slot = job.slot_id
         assert slot is not None
         blocks = self._policy.table_of(job).blocks(slot)
+        caller = self._policy.table_of(job).slots[slot].caller
         try:
-            saved = await lane.park_slot(slot, session, blocks, within=self.settings.park_timeout)
+            saved = await lane.park_slot(
+                slot, session, blocks, within=self.settings.park_timeout, share_caller=caller
+            )
         except Exception:
             self._policy.note_park(ok=False)
             return False
@@ -253,6 +275,37 @@ class SlotPreparer:
             slot, job, session, keyless=job.keyless, blocks=blocks, caller=job.caller
         )
         self._policy.note_restore(ok=True)
+        return restored
+
+    async def _lend(self, job: _TrioJob, lane: ParkingLane, lender: str) -> int:
+        """Restore the parked copy of ``lender``, another owner of the job's caller, into
+        its slot (which replaces whatever the slot held), within ``park_timeout``: the
+        tokens restored. The slot then holds ``lender``'s KV, current, that the job may
+        start from (the engine keeps the prefix they share); the copy stays
+        ``lender``'s. 0 when it did not take or failed (the lane logs why): the slot is
+        then unknown. Cancellation leaves the slot unknown."""
+        slot = job.slot_id
+        assert slot is not None and job.caller is not None and job.session is not None
+        found = lane.lent_copy(job.caller, job.session, job.prefix)
+        if found is None or found[0] != lender:
+            return 0
+        self._policy.table_of(job).sending(slot, job)
+        try:
+            restored = await lane.unpark_slot(
+                slot,
+                job.session,
+                job.prefix,
+                within=self.settings.park_timeout,
+                lent_to=job.caller,
+            )
+        except Exception:
+            restored = 0
+        if not restored:
+            self._policy.note_restore(ok=False)
+            return 0
+        self.check_pin(job)
+        self._policy.table_of(job).restored(slot, job, lender, blocks=found[1], caller=job.caller)
+        self._policy.note_restore(ok=True, lent=True)
         return restored
 
     async def _erase(self, job: _TrioJob, lane: EngineLane) -> None:

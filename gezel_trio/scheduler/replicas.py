@@ -23,6 +23,11 @@ public id names the set: requests for it are routed to one member by
   anywhere the choice above stands, except that a keyless request picks, among the
   least-loaded members, the one holding the fewest cached prefixes (a miss goes where
   it displaces the least, as SGLang's router sends it to the smallest tree);
+- an owner that holds no prefix of its request anywhere, and may start from one its
+  caller's other owners left (``[scheduler] share_prefix_within_caller``), goes to the
+  member whose slots or lent parked copies hold the longest prefix of it *among that
+  caller's* (the router's second index, keyed by caller), with the same load bound;
+  another caller's prefixes are never a reason;
 - a member whose engine has failed is left out until it is ready again; when every
   member is unhealthy, the least-loaded one is tried (its error then says why).
 
@@ -206,6 +211,9 @@ class ReplicaRouter:
     ) -> None:
         self.index = PrefixIndex(max_places=max_places, max_blocks=max_blocks, group=_member_of)
         """Per owner, which member's slots and parked copies hold which prefixes."""
+        self.callers = PrefixIndex(max_places=max_places, max_blocks=max_blocks)
+        """Per caller, which member's slots hold which prefixes of the caller's owners
+        that share them within the caller (see ``caller`` in :meth:`by_prefix`)."""
         self.prefix: dict[str, PrefixCounts] = {}
         """Per member, its prefix routing counts."""
         self._affinity: collections.OrderedDict[str, str] = collections.OrderedDict()
@@ -297,6 +305,9 @@ class ReplicaRouter:
         held: Callable[[KvPlace], Prefix | None],
         parked: Mapping[str, int] | None = None,
         avoid: Collection[str] = (),
+        caller: str | None = None,
+        caller_held: Callable[[KvPlace], Prefix | None] | None = None,
+        lent: Callable[[], Mapping[str, int]] | None = None,
     ) -> PrefixRoute:
         """Where a request of ``owner`` with blocks ``prefix`` goes, now that they are
         known; ``current`` is the member :meth:`choose` gave it (for ``session``, its
@@ -312,7 +323,16 @@ class ReplicaRouter:
         its best parked copy of ``owner``'s holds (a slot wins a tie: no restore). A
         move away from ``current`` is booked as :meth:`rehome` books a session's (or,
         keyless, in ``routed``); a session shed away from the member holding its prefix
-        counts as ``moved``."""
+        counts as ``moved``.
+
+        ``caller``: the owner may start from a prefix its caller's other owners left
+        (the scheduler then places it there, see
+        :func:`~gezel_trio.scheduler.admission.choose_slot`). When none of the
+        owner's own places shares a block with ``prefix``, the member whose slot
+        holds the longest prefix of it among that caller's (``caller_held(place)``
+        says what a slot holds of the caller now, None: nothing) or whose parked
+        copies lent within the caller share the most (``lent()``: per member, how many
+        blocks; asked only then) is taken as above. Another caller's places are never looked at."""
         by_id = {m.id: m for m in members}
         usable = [m for m in members if m.id not in avoid] or list(members)
         healthy = [m for m in usable if m.healthy] or usable
@@ -341,6 +361,8 @@ class ReplicaRouter:
         for member, shared in (parked or {}).items():
             if member in ids and shared > n:
                 place, n = KvPlace(member, None, owner), shared
+        if place is None and caller is not None and caller_held is not None:
+            place, n = self._caller_place(caller, prefix, ids, caller_held, lent)
         if place is not None:
             holder = by_id[place.member]
             if holder.load - least.load > bound:
@@ -362,13 +384,55 @@ class ReplicaRouter:
                 self.routed[chosen] = self.routed.get(chosen, 0) + 1
         return PrefixRoute(chosen, place, n, hit)
 
-    def record(self, owner: str, place: KvPlace, blocks: Prefix) -> None:
+    def _caller_place(
+        self,
+        caller: str,
+        prefix: Prefix,
+        ids: Collection[str],
+        held: Callable[[KvPlace], Prefix | None],
+        lent: Callable[[], Mapping[str, int]] | None,
+    ) -> tuple[KvPlace | None, int]:
+        """The place holding the longest prefix of ``prefix`` among ``caller``'s (a slot
+        in :attr:`callers`, checked with ``held``; a member's lent parked copies,
+        ``lent``), on a member in ``ids``, and how many blocks; (None, 0): none."""
+        place: KvPlace | None = None
+        n = 0
+        for _ in range(VALIDATE_TRIES):
+            found, n = self.callers.longest(
+                caller, prefix, take=lambda p: isinstance(p, KvPlace) and p.member in ids
+            )
+            if not isinstance(found, KvPlace):
+                place, n = None, 0
+                break
+            now = held(found)
+            if now == self.callers.blocks_of(found):
+                place = found
+                break
+            if now is None:
+                self.callers.forget(found)
+            else:
+                self.callers.record(caller, found, now)
+            place, n = None, 0
+        for member, shared in (lent() if lent is not None else {}).items():
+            if member in ids and shared > n:
+                place, n = KvPlace(member), shared
+        return place, n
+
+    def record(
+        self, owner: str, place: KvPlace, blocks: Prefix, *, caller: str | None = None
+    ) -> None:
         """A request of ``owner`` with blocks ``blocks`` completed at ``place``: it
-        holds them now (and nothing of any other owner's)."""
+        holds them now (and nothing of any other owner's). ``caller``: the owner shares
+        its prefixes within that caller (None: with nobody)."""
         self.index.record(owner, place, blocks)
+        if caller is not None:
+            self.callers.record(caller, place, blocks)
+        else:
+            self.callers.forget(place)
 
     def forget_member(self, member: str) -> int:
         """``member`` holds nothing any more (its engine restarted or went away)."""
+        self.callers.forget_where(lambda p: isinstance(p, KvPlace) and p.member == member)
         return self.index.forget_where(lambda p: isinstance(p, KvPlace) and p.member == member)
 
     def _counts(self, member: str) -> PrefixCounts:

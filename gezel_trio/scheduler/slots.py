@@ -172,17 +172,25 @@ class Preparation:
 
     ``park``: the session whose KV to save first (its parked copy is stale);
     ``restore``: the job's own parked KV replaces the slot's content (which also
-    isolates it); ``erase``: the slot must be erased. At most one of
-    ``restore`` and ``erase`` is set.
+    isolates it); ``lend``: the parked copy of that other owner of the job's caller
+    replaces it (the job then starts from the prefix the two share: the engine cuts
+    the slot back to it); ``erase``: the slot must be erased. At most one of
+    ``restore``, ``lend`` and ``erase`` is set.
     """
 
     park: str | None = None
     restore: bool = False
     erase: bool = False
+    lend: str | None = None
 
     @property
     def calls(self) -> int:
-        return int(self.park is not None) + int(self.restore) + int(self.erase)
+        return (
+            int(self.park is not None)
+            + int(self.restore)
+            + int(self.erase)
+            + int(self.lend is not None)
+        )
 
 
 NOTHING_TO_PREPARE = Preparation()
@@ -362,6 +370,7 @@ class SlotTable:
         is_current: Callable[[str, Prefix], bool] | None = None,
         parked_shares: Callable[[str], int | None] | None = None,
         caller: str | None = None,
+        lent: Callable[[], tuple[str, int] | None] | None = None,
     ) -> Preparation:
         """What a job of ``session`` needs done to ``slot`` before it runs (no I/O).
 
@@ -388,6 +397,14 @@ class SlotTable:
         are whole pieces, and the copy may hold more of the last one); else the
         request goes onto the slot as it is and the engine keeps only the prefix they
         share.
+
+        ``lent()``: the parked copy of another owner of ``caller`` the job could start
+        from instead, and how many blocks of ``prefix`` it shares (None: none). With
+        ``parking`` and no copy of the job's own to restore, it replaces the slot's
+        content (the outgoing owner parked first, as on any handoff) when it shares
+        more blocks than the slot: the slot was taken by others since, or never held
+        that prefix. A copy stays its owner's; the slot then holds that owner's KV,
+        current (no save), and the request goes onto it as above.
         """
         entry = self.slots[slot]
         owner = entry.session if entry.content is Content.OWNED else None
@@ -399,11 +416,23 @@ class SlotTable:
         stale = owner is not None and not (entry.parked_current and current(owner))
         if session is None:
             return Preparation(park=owner) if parking and stale else NOTHING_TO_PREPARE
+
+        def lend(than: int) -> str | None:
+            """The owner of the caller's copy to restore, when it shares more than
+            ``than`` blocks."""
+            if not parking or caller is None or lent is None:
+                return None
+            found = lent()
+            return found[0] if found is not None and found[1] > than else None
+
         if entry.safe_for(session):
             if not parking:
                 return NOTHING_TO_PREPARE
             if entry.content is not Content.OWNED:
-                return Preparation(restore=True) if is_parked(session) else NOTHING_TO_PREPARE
+                if is_parked(session):
+                    return Preparation(restore=True)
+                lender = lend(0)
+                return Preparation(lend=lender) if lender is not None else NOTHING_TO_PREPARE
             if (
                 parked_shares is None
                 or not entry.blocks
@@ -422,9 +451,12 @@ class SlotTable:
             if restore and parked_shares is not None:
                 shares = parked_shares(session)
                 restore = shares is not None and shares >= shared
-            return Preparation(park=park, restore=restore)
+            return Preparation(park=park, restore=restore, lend=None if restore else lend(shared))
         if parking and is_parked(session):
             return Preparation(park=park, restore=True)
+        lender = lend(0)
+        if lender is not None:
+            return Preparation(park=park, lend=lender)
         if not erase_on_handoff and entry.content is not Content.UNKNOWN:
             return Preparation(park=park)
         return Preparation(park=park, erase=True)

@@ -38,7 +38,8 @@ class SchedulerStats:
     erases: dict[str, int]  # ok, failed, skipped_same_session, after_keyless
     parking: dict[str, int]  # saved, save_skipped_current, restored, failed, saved_idle,
     # handoffs, handoff_calls (upstream calls of those handoffs, their requests included),
-    # shared_within_caller (handoffs that kept the prefix another owner of the caller left)
+    # shared_within_caller (handoffs that kept the prefix another owner of the caller left),
+    # lent_within_caller (restores of another owner's parked copy of the caller, to start from)
     pool: dict[str, int]  # failovers (moved off a down member), pooled (taken by a sibling)
     admissions: int
     reconciliations: int
