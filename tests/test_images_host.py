@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
+import signal
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ from benchmarks._raw_client import post_json, reset
 from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.demo_image_model import DemoImageModel, demo_image_model_path
+from gezel_trio.errors import BadRequest, UnknownModel
+from gezel_trio.images.job import ImageJob, ImageProgress
 
 from .conftest import make_config, running
 from .fault_tools import wait_nothing_held, wait_until
@@ -295,3 +299,55 @@ async def test_walk_away_mid_render_releases_the_lease_within_a_second(
             r = await http.post("/v1/chat/completions", json=CHAT)
             assert r.status_code == 200, r.text
             print(f"walk-away: lease released {released * 1000:.0f} ms after the client left")
+
+
+async def test_render_progress_refusals_and_a_crash_restart(
+    image_model: DemoImageModel,
+    sd_server_binary: EngineBinary,
+    state_dir: Path,
+) -> None:
+    """``Host.render`` as the image routes call it: each sampling step reaches
+    ``on_progress`` in order; a body sd-server refuses is a BadRequest carrying its
+    message; a text-kind name is refused; sd-server killed under the host is started
+    again by the supervisor for the next render."""
+    cfg = make_config(
+        [image_config(image_model)],
+        state_dir=state_dir,
+        engine={"sd_server": str(sd_server_binary.path)},
+    )
+    with trio.fail_after(300):
+        async with running(cfg) as (host, _http):
+            img = host.models["img"]
+            updates: list[ImageProgress] = []
+            job = ImageJob(
+                {
+                    "prompt": "a red apple",
+                    "width": 64,
+                    "height": 48,
+                    "sample_params": {"sample_steps": 3},
+                }
+            )
+            result = await host.render(None, job, caller="test", on_progress=updates.append)
+            assert updates and updates[-1] == ImageProgress(3, 3), updates
+            assert [u.step for u in updates] == sorted({u.step for u in updates})
+            assert result.output_format == "png" and len(result.images) == 1
+            assert png_size(base64.b64decode(result.images[0])) == (64, 48)
+            assert result.seconds > 0
+            assert img.progress is None  # no render runs now
+
+            with pytest.raises(BadRequest) as refused:
+                await host.render(
+                    "img", ImageJob({"prompt": "x", "output_format": "gif"}), caller="test"
+                )
+            assert refused.value.message.startswith("the image engine refused the request: ")
+            print(refused.value.message)
+            with pytest.raises(UnknownModel):
+                await host.render("nope", job, caller="test")
+
+            first = img.engine.pid
+            assert first is not None
+            os.kill(first, signal.SIGKILL)
+            await wait_until(lambda: img.engine.crashes == 1, within=30, what="the crash seen")
+            result = await host.render("img", job, caller="test")
+            assert len(result.images) == 1
+            assert img.engine.pid not in (None, first) and img.engine.starts == 2
