@@ -127,6 +127,13 @@ def _status(client: httpx.Client, base: str) -> dict[str, Any]:
     return {e["model"]: e for e in engines}
 
 
+def _running(client: httpx.Client, base: str) -> dict[str, int]:
+    """The scheduler's admitted jobs by model (a background slot save holds an engine
+    too, so the engine's own busy count is no sign of a request running)."""
+    running: dict[str, int] = client.get(base + "/api/status").json()["scheduler"]["running"]
+    return running
+
+
 def _wait(what: str, predicate: Callable[[], bool], within: float = 120) -> None:
     deadline = time.monotonic() + within
     while not predicate():
@@ -193,7 +200,7 @@ def swap_timeline(model: DemoImageModel, *, steps: int, size: str) -> dict[str, 
         thread = threading.Thread(target=chat_thread)
         chat_sent = time.perf_counter()
         thread.start()
-        _wait("chat running", lambda: _status(client, base)["tiny"].get("busy", 0) > 0)
+        _wait("chat running", lambda: _running(client, base).get("tiny", 0) > 0)
         render_sent = time.perf_counter()
         _render(client, base, size, model="img")
         render_done = time.perf_counter()

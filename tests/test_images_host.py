@@ -109,6 +109,10 @@ async def test_openai_sdk_generates_a_png_of_the_size_asked(
             row = next(m for m in status["engines"] if m["model"] == "img")
             assert row["kind"] == "image" and row["state"] == "ready"
             assert row["job"] is None  # no render runs now
+            assert row["calibration"] == {}  # no co-batch probe of an image engine
+            auth = {"Authorization": f"Bearer {KEY}"}
+            r = await http.post("/api/models/img/calibrate", headers=auth)
+            assert r.status_code == 400 and "image model" in r.json()["error"]["message"]
     lines = [
         (r.fields["model"], r.fields["status"], r.fields["path"])  # type: ignore[attr-defined]
         for r in caplog.records
@@ -204,10 +208,15 @@ async def test_swap_a_chat_waits_for_a_render_and_a_render_for_a_chat(
             await wait_until(lambda: img.engine.pid is None, within=30, what="sd-server evicted")
 
             # 2. a render arrives mid-chat (a long one: it holds its lease throughout)
-            tiny = host.models["tiny"]
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(partial(chat, "long chat", max_tokens=3000, ignore_eos=True))
-                await wait_until(lambda: tiny.engine.busy > 0, within=60, what="the chat running")
+                assert host.scheduler is not None
+                scheduler = host.scheduler
+                await wait_until(  # admitted (a slot's background save holds the engine too)
+                    lambda: scheduler.statistics().running.get("tiny", 0) > 0,
+                    within=60,
+                    what="the chat running",
+                )
                 render_sent = trio.current_time()
                 nursery.start_soon(render, "render 2", 4)
                 await wait_until(lambda: "long chat" in done, within=120, what="the chat done")

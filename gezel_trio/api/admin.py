@@ -114,11 +114,15 @@ async def reload_config() -> Response:
 async def calibrate(model_id: str) -> Response:
     """Run the co-batch calibration now, as an exclusive operation; answer its result.
     A replicated model calibrates each engine the host runs, one at a time, every
-    replica drained for each (external members are not calibrated by this host)."""
+    replica drained for each (external members and image models are not calibrated)."""
     host = _host()
-    targets = [rt for rt in _targets(host, model_id) if not rt.config.external]
+    targets = [rt for rt in _targets(host, model_id) if rt.calibrates]
     if not targets:
-        raise FieldError("model_id", "an external engine is not calibrated by this host")
+        raise FieldError(
+            "model_id",
+            "an external engine, or an image model's (one job at a time), is not calibrated "
+            "by this host",
+        )
     done = []
     for rt in targets:
         result = await host.calibrate(rt)

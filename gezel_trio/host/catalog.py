@@ -241,7 +241,7 @@ class Catalog:
             raise
         if self.scheduler is not None:
             self.scheduler.add_lane(runtime)
-            if not model.external and model.kind == "text" and self.serving:
+            if runtime.calibrates and self.serving:
                 assert self._calibrator is not None
                 await self.tasks.start(serve_calibration, self._calibrator(), runtime)
         return runtime

@@ -750,7 +750,7 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
                         )
                     )
                     for rt in list(host.models.values()):
-                        if not rt.config.external:
+                        if rt.calibrates:
                             await tasks.start(serve_calibration, host.calibrator(), rt)
                     await tasks.start(
                         partial(

@@ -94,6 +94,11 @@ class ImageRuntime(ModelRuntime):
         return False
 
     @property
+    def calibrates(self) -> bool:
+        """No co-batch probe: sd-server takes one job at a time."""
+        return False
+
+    @property
     def supports_tools(self) -> bool:
         return False
 
