@@ -77,6 +77,20 @@ def test_an_image_model_is_read_with_its_files(image_model: DemoImageModel) -> N
     assert sd_footprint(model.files) > sizes
 
 
+def test_an_image_model_is_named_after_its_file_by_default(image_model: DemoImageModel) -> None:
+    cfg = config_from_mapping(
+        {
+            "models": [
+                {"kind": "image", "files": _files(image_model)},
+                {"kind": "image", "id": "mine", "files": _files(image_model)},
+            ]
+        }
+    )
+    assert [m.id for m in cfg.models] == ["diffusion_model", "mine"]
+    with pytest.raises(ConfigError, match=r"models\[0\]\.id: required key missing"):
+        config_from_mapping({"models": [{"path": "x.gguf"}]})  # a text model names itself
+
+
 def test_an_image_model_s_mistakes_are_named(image_model: DemoImageModel, tmp_path: Path) -> None:
     problems = _problems(
         files={"diffusion_model": str(image_model.diffusion_model), "text_encoder": "x.gguf"},

@@ -402,11 +402,25 @@ def _read_mapping(data: Mapping[str, Any], reading: _Reading) -> Config:
         reading.refuse("models", "models: expected an array of tables ([[models]])")
         raw_models = []
     for i, raw in enumerate(raw_models):
-        model = _build(ModelConfig, raw, f"models[{i}]", reading)
+        model = _build(ModelConfig, _with_image_id(raw), f"models[{i}]", reading)
         if model is not None:
             cfg.models.append(model)
             reading.model_indices.append(i)
     return cfg
+
+
+def _with_image_id(raw: Any) -> Any:
+    """An image model's table with its default ``id``, when it has none: the stem of its
+    ``path``, else of its ``model`` or ``diffusion_model`` file (``flux-2-klein.gguf``:
+    ``flux-2-klein``). Anything else as it is (a missing id is refused by name)."""
+    if not isinstance(raw, Mapping) or "id" in raw or raw.get("kind") != "image":
+        return raw
+    files = raw.get("files")
+    files = files if isinstance(files, Mapping) else {}
+    for file in (raw.get("path"), files.get("model"), files.get("diffusion_model")):
+        if isinstance(file, str) and file:
+            return {**raw, "id": Path(file).stem}
+    return raw
 
 
 def _raise_all(problems: list[str]) -> None:
