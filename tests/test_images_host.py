@@ -88,6 +88,9 @@ async def test_openai_sdk_generates_a_png_of_the_size_asked(
                 with pytest.raises(openai.BadRequestError) as text:
                     client.images.generate(model="tiny", prompt="x")
                 out["text"] = text.value
+                with pytest.raises(openai.NotFoundError) as unknown:
+                    client.images.generate(model="no-such-model", prompt="x")
+                out["unknown"] = unknown.value
                 with pytest.raises(openai.BadRequestError) as chat:
                     client.chat.completions.create(
                         model="img", messages=[{"role": "user", "content": "hi"}]
@@ -102,6 +105,7 @@ async def test_openai_sdk_generates_a_png_of_the_size_asked(
             assert png_size(png) == (64, 48)
             assert "b64_json" in str(out["url"]) and out["url"].body["param"] == "response_format"
             assert "is a text model" in str(out["text"])
+            assert "no-such-model" in str(out["unknown"])
             assert "is an image model" in str(out["chat"])
             listed = {m.id: m for m in out["models"].data}
             assert listed["img"].model_extra["capabilities"] == ["image"]
@@ -121,6 +125,7 @@ async def test_openai_sdk_generates_a_png_of_the_size_asked(
     assert lines == [
         ("img", 200, "/v1/images/generations"),
         ("tiny", 400, "/v1/images/generations"),
+        ("(unresolved)", 404, "/v1/images/generations"),  # no label per made-up name
     ]
 
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..errors import EngineFailed, GezelError
+from ..errors import EngineFailed, GezelError, WrongModelKind
 from ..images.job import ImageJob, ImageProgress, ImageResult
 from .activity import RequestEvent
 from .image_runtime import ImageRuntime
@@ -45,6 +45,8 @@ STOP_WITHIN_S = 0.8
 """The most a caller that went away waits for its job's cancel (or the engine's stop)
 before it releases its grant and lease (the stop goes on)."""
 CLIENT_CLOSED = 499
+UNRESOLVED = "(unresolved)"
+"""The model label of a request whose model did not resolve (as the other routes')."""
 
 
 async def render(
@@ -67,7 +69,7 @@ async def render(
     Cancellation (the caller left) cancels the job in the engine as the module says and
     is recorded as 499."""
     t0 = time.perf_counter()
-    label = model if isinstance(model, str) and model else "(unresolved)"
+    label = UNRESOLVED  # a made-up name must not grow the metrics' label set
     status = 500
     wait_s: float | None = None
     result: ImageResult | None = None
@@ -86,6 +88,8 @@ async def render(
         return result
     except GezelError as exc:
         status = exc.status
+        if isinstance(exc, WrongModelKind) and model:
+            label = model  # a model served here, of the other kind
         raise
     except trio.Cancelled:
         status = CLIENT_CLOSED
