@@ -283,9 +283,10 @@ async def test_walk_away_mid_render_releases_the_lease_within_a_second(
     engine_binary: EngineBinary,
     state_dir: Path,
 ) -> None:
-    """A client that leaves mid-render (a TCP reset): sd-server cannot cancel a running
-    job, so the host stops it; the lease is released within 1 s, and the host serves the
-    next render and a chat."""
+    """A client that leaves while its render is queued behind another is dequeued and
+    the other renders on; a client that leaves mid-render (a TCP reset): sd-server cannot
+    cancel a running job, so the host stops it; the lease is released within 1 s, and
+    the host serves the next render and a chat."""
     cfg = _swap_config(tiny_model, image_model, state_dir, engine_binary, sd_server_binary, "swap")
     with trio.fail_after(300):
         async with running(cfg) as (host, http):
@@ -300,6 +301,16 @@ async def test_walk_away_mid_render_releases_the_lease_within_a_second(
             )
             assert host.arbiter.statistics().holders == {"img": 1}
             sd_pid = img.engine.pid
+            # a second render queued behind it (the lane's one slot is taken), then left
+            assert host.scheduler is not None
+            scheduler = host.scheduler
+            queued = await post_json(
+                str(http.base_url).rstrip("/"), _render_body(2), "/v1/images/generations"
+            )
+            await wait_until(lambda: scheduler.statistics().queued == 1, within=30, what="queued")
+            await reset(queued)
+            await wait_until(lambda: scheduler.statistics().queued == 0, within=5, what="dequeued")
+            assert img.engine.pid == sd_pid and img.progress is not None  # the first renders on
             left = trio.current_time()
             await reset(stream)
             released = await wait_until(
@@ -308,6 +319,8 @@ async def test_walk_away_mid_render_releases_the_lease_within_a_second(
             assert trio.current_time() - left < 1.0, f"lease held {released:.2f}s after"
             await wait_until(lambda: img.engine.pid != sd_pid, within=10, what="sd-server stopped")
             await wait_nothing_held(host, within=5)
+            rows = [(e.model, e.status, e.path) for e in host.activity.snapshot().requests]
+            assert rows.count(("img", 499, "/v1/images/generations")) == 2, rows  # both left
             r = await http.post("/v1/images/generations", json=_render_body(2), timeout=240)
             assert r.status_code == 200, r.text
             r = await http.post("/v1/chat/completions", json=CHAT)
