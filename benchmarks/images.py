@@ -134,6 +134,18 @@ def _running(client: httpx.Client, base: str) -> dict[str, int]:
     return running
 
 
+def _memory(engine: dict[str, Any]) -> dict[str, int | None]:
+    """An engine's bytes in the ledger (its plan) against its process's resident memory."""
+    rss = None
+    pid = engine.get("pid")
+    if pid:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1]) * 1024
+    return {"ledger_bytes": (engine.get("plan") or {}).get("total_bytes"), "rss_bytes": rss}
+
+
 def _wait(what: str, predicate: Callable[[], bool], within: float = 120) -> None:
     deadline = time.monotonic() + within
     while not predicate():
@@ -158,7 +170,9 @@ def swap_timeline(model: DemoImageModel, *, steps: int, size: str) -> dict[str, 
         # each alone, its engine resident: what a wait is measured against
         _render(client, base, size, model="img")
         out["render_alone_s"] = _render(client, base, size, model="img")
+        out["memory"] = {"img": _memory(_status(client, base)["img"])}
         client.post(base + "/v1/chat/completions", json=chat)  # evicts sd-server
+        out["memory"]["tiny"] = _memory(_status(client, base)["tiny"])
         t0 = time.perf_counter()
         client.post(base + "/v1/chat/completions", json=chat)
         out["chat_alone_s"] = time.perf_counter() - t0
@@ -247,6 +261,11 @@ def main() -> None:
         f"{b['render_done_after_chat_s']:.2f} s after the chat (a render alone: "
         f"{timeline['render_alone_s']:.2f} s)"
     )
+    for name, mem in timeline["memory"].items():
+        print(
+            f"memory {name}: ledger {mem['ledger_bytes'] / 2**20:.0f} MiB, process RSS "
+            f"{(mem['rss_bytes'] or 0) / 2**20:.0f} MiB"
+        )
     path = write_result("images", {"render_time": timing, "swap_timeline": timeline})
     print(f"wrote {path}")
 
