@@ -117,6 +117,8 @@ async def test_openai_sdk_generates_a_png_of_the_size_asked(
             auth = {"Authorization": f"Bearer {KEY}"}
             r = await http.post("/api/models/img/calibrate", headers=auth)
             assert r.status_code == 400 and "image model" in r.json()["error"]["message"]
+            metrics = (await http.get("/metrics", headers=auth)).text
+            assert 'gezel_images_generated_total{model="img"} 1.0' in metrics
     lines = [
         (r.fields["model"], r.fields["status"], r.fields["path"])  # type: ignore[attr-defined]
         for r in caplog.records
