@@ -42,7 +42,7 @@ async def logs(model_id: str) -> Response:
     """The last ``lines`` lines (default 200), or with ``since=N`` the lines after the
     N-th ever logged; ``next`` is what to pass as ``since`` to follow the log."""
     host = _host()
-    rt = host.resolve_model(model_id)
+    rt = host.resolve_model(model_id, kind=None)
     log_ring = rt.engine.log
     await log_ring.caught_up()  # the lines the engine has written by now
     since = request.args.get("since")
@@ -63,7 +63,7 @@ async def logs(model_id: str) -> Response:
 def _targets(host: Host, model_id: str) -> list[ModelRuntime]:
     """The engines an admin call on ``model_id`` acts on: every member of a replicated
     model (in order), else the one model (404 for an unknown id)."""
-    return host.replica_members(model_id) or [host.resolve_model(model_id)]
+    return host.replica_members(model_id) or [host.resolve_model(model_id, kind=None)]
 
 
 def _answer(model_id: str, done: list[dict[str, Any]]) -> Response:
@@ -114,11 +114,15 @@ async def reload_config() -> Response:
 async def calibrate(model_id: str) -> Response:
     """Run the co-batch calibration now, as an exclusive operation; answer its result.
     A replicated model calibrates each engine the host runs, one at a time, every
-    replica drained for each (external members are not calibrated by this host)."""
+    replica drained for each (external members and image models are not calibrated)."""
     host = _host()
-    targets = [rt for rt in _targets(host, model_id) if not rt.config.external]
+    targets = [rt for rt in _targets(host, model_id) if rt.calibrates]
     if not targets:
-        raise FieldError("model_id", "an external engine is not calibrated by this host")
+        raise FieldError(
+            "model_id",
+            "an external engine, or an image model's (one job at a time), is not calibrated "
+            "by this host",
+        )
     done = []
     for rt in targets:
         result = await host.calibrate(rt)
@@ -130,7 +134,8 @@ async def calibrate(model_id: str) -> Response:
 
 @bp.post("/api/models/<model_id>/benchmark")
 async def benchmark(model_id: str) -> Response:
-    """Measure prefill/decode speed alone on the drained engine (an exclusive op)."""
+    """Measure prefill/decode speed alone on the drained engine (an exclusive op): a
+    text model's (an image model is WrongModelKind, 400)."""
     host = _host()
     rt = host.resolve_model(model_id)
     args = request.args

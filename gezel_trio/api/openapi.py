@@ -190,6 +190,7 @@ ALIASES = {
     "/chat/completions": "/v1/chat/completions",
     "/completions": "/completion",
     "/embeddings": "/v1/embeddings",
+    "/images/generations": "/v1/images/generations",
     "/models": "/v1/models",
     "/responses": "/v1/responses",
     "/chat/completions/input_tokens": "/v1/chat/completions/input_tokens",
@@ -532,6 +533,18 @@ def _build_spec() -> dict[str, Any]:
                 "responses": _inference_responses(
                     _ok("A list of embeddings.", {"type": "object"}),
                     what="Bad request, or the model does not serve embeddings (`param: model`)",
+                ),
+            }
+        },
+        "/v1/images/generations": {
+            "post": {
+                "tags": ["OpenAI"],
+                "summary": 'Image generation on an image model (`kind = "image"`), as b64_json',
+                "requestBody": _json_body("ImageGenerationRequest"),
+                "responses": _inference_responses(
+                    _ok("The images, base64 each.", {"type": "object"}),
+                    what="Bad request: a field (`param`), `response_format: url`, a text model, "
+                    "or a body the image engine refused (its message)",
                 ),
             }
         },
@@ -898,6 +911,23 @@ SCHEMAS: dict[str, Any] = {
             },
             "prompt_cache_key": {"type": "string", "maxLength": 512},
             "max_tokens": {"type": "integer", "minimum": 0},
+        },
+    },
+    "ImageGenerationRequest": {
+        "type": "object",
+        "required": ["prompt"],
+        **_LOOSE,
+        "properties": {
+            "model": {"type": "string"},
+            "prompt": {"type": "string"},
+            "n": {"type": "integer", "minimum": 1, "maximum": 10},
+            "size": {"type": "string", "description": "WIDTHxHEIGHT, or auto"},
+            "response_format": {"enum": ["b64_json"]},
+            "output_format": {"enum": ["png", "jpeg", "webp"]},
+            "output_compression": {"type": "integer", "minimum": 0, "maximum": 100},
+            "steps": {"type": "integer", "minimum": 1, "description": "extension"},
+            "seed": {"type": "integer", "description": "extension"},
+            "negative_prompt": {"type": "string", "description": "extension"},
         },
     },
     "EmbeddingRequest": {

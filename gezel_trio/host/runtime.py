@@ -336,6 +336,12 @@ class ModelRuntime:
         return self.engine.generation
 
     @property
+    def calibrates(self) -> bool:
+        """Whether the host probes this engine's co-batching (a calibration watcher): a
+        llama-server it runs itself."""
+        return not self.config.external
+
+    @property
     def sole_client(self) -> bool:
         return not self.config.external
 
