@@ -51,6 +51,16 @@ class UnknownModel(GezelError):
     type = "invalid_request_error"
 
 
+class WrongModelKind(FieldError):
+    """The request names a model of another kind than its route serves (an image model
+    on a text route, a text model on an image route); ``param`` is ``model``."""
+
+    code = "model_kind_mismatch"
+
+    def __init__(self, message: str) -> None:
+        super().__init__("model", message)
+
+
 class ModelLocked(GezelError):
     """``lock_model`` is on and the request names another model."""
 

@@ -42,7 +42,7 @@ async def logs(model_id: str) -> Response:
     """The last ``lines`` lines (default 200), or with ``since=N`` the lines after the
     N-th ever logged; ``next`` is what to pass as ``since`` to follow the log."""
     host = _host()
-    rt = host.resolve_model(model_id)
+    rt = host.resolve_model(model_id, kind=None)
     log_ring = rt.engine.log
     await log_ring.caught_up()  # the lines the engine has written by now
     since = request.args.get("since")
@@ -63,7 +63,7 @@ async def logs(model_id: str) -> Response:
 def _targets(host: Host, model_id: str) -> list[ModelRuntime]:
     """The engines an admin call on ``model_id`` acts on: every member of a replicated
     model (in order), else the one model (404 for an unknown id)."""
-    return host.replica_members(model_id) or [host.resolve_model(model_id)]
+    return host.replica_members(model_id) or [host.resolve_model(model_id, kind=None)]
 
 
 def _answer(model_id: str, done: list[dict[str, Any]]) -> Response:
@@ -130,7 +130,8 @@ async def calibrate(model_id: str) -> Response:
 
 @bp.post("/api/models/<model_id>/benchmark")
 async def benchmark(model_id: str) -> Response:
-    """Measure prefill/decode speed alone on the drained engine (an exclusive op)."""
+    """Measure prefill/decode speed alone on the drained engine (an exclusive op): a
+    text model's (an image model is WrongModelKind, 400)."""
     host = _host()
     rt = host.resolve_model(model_id)
     args = request.args

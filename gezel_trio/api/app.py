@@ -96,6 +96,7 @@ def create_app(host: Host) -> QuartTrio:
 
     from .admin import bp as admin_bp
     from .anthropic import bp as anthropic_bp
+    from .images_openai import bp as images_openai_bp
     from .metrics_endpoint import install_metrics
     from .native import bp as native_bp
     from .ollama import bp as ollama_bp
@@ -106,6 +107,7 @@ def create_app(host: Host) -> QuartTrio:
     from .status_page import bp as status_page_bp
 
     app.register_blueprint(openai_bp)
+    app.register_blueprint(images_openai_bp)
     app.register_blueprint(native_bp)
     app.register_blueprint(responses_bp)
     app.register_blueprint(anthropic_bp)

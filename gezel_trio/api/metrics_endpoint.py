@@ -29,6 +29,7 @@ from quart import Blueprint, Response, current_app, request
 from quart.wrappers.response import IterableBody
 from quart_trio import QuartTrio
 
+from ..config.schema import ModelKind
 from ..engine.usage import TAIL_BYTES, Counts, tail_counts, token_counts
 from ..errors import GezelError
 from ..host import Host, ModelRuntime
@@ -54,13 +55,15 @@ async def metrics() -> Response:
     return Response(metrics_of_app().render(), status=200, content_type=CONTENT_TYPE)
 
 
-def resolve_model(host: Host, model: object, *, session: str | None = None) -> ModelRuntime:
-    """The runtime a request's ``model`` names, resolved once (see
-    :meth:`Host.resolve_model`), and this request's metrics labelled with it: a
+def resolve_model(
+    host: Host, model: object, *, session: str | None = None, kind: ModelKind | None = "text"
+) -> ModelRuntime:
+    """The runtime a request's ``model`` names, a model of ``kind`` (None: any), resolved
+    once (see :meth:`Host.resolve_model`), and this request's metrics labelled with it: a
     replicated model's own id, never a member's; ``(unresolved)`` when it raises."""
     exchange = current_exchange()
     try:
-        runtime = host.resolve_model(model, session=session)
+        runtime = host.resolve_model(model, session=session, kind=kind)
     except GezelError:
         exchange.model = UNRESOLVED
         raise

@@ -158,8 +158,10 @@ async def _capabilities(rt: ModelRuntime) -> list[str]:
     """What the model can do, in the names llama-server's own ``/v1/models`` and
     Ollama's ``/api/show`` use: ``completion``, ``tools`` (its chat template renders
     them: the engine's word once asked, asked here once per engine process; see
-    :attr:`ModelRuntime.supports_tools`), ``embedding``."""
+    :attr:`ModelRuntime.supports_tools`), ``embedding``; an image model: ``image``."""
     config = rt.config
+    if config.kind == "image":
+        return ["image"]
     embedding_only = config.embeddings or config.reranking
     if not embedding_only:
         await rt.ask_engine_tools()
@@ -211,7 +213,7 @@ async def list_models() -> Response:
 async def get_model(model_id: str) -> Response:
     host = _host()
     members = host.replica_members(model_id)
-    rt = members[0] if members else host.resolve_model(model_id)
+    rt = members[0] if members else host.resolve_model(model_id, kind=None)
     return json_response(
         {
             "id": rt.config.replica_of or rt.id,

@@ -29,16 +29,17 @@ from pathlib import Path
 from typing import Any
 
 from ..engine.argv import arg_problems, last_arg_value
-from ..engine.binary import resolve_engine
+from ..engine.binary import resolve_engine, resolve_sd_server
 from ..engine.context import slot_context, slot_flags, slot_request
 from ..engine.flags import EngineFlags, engine_flags
 from ..engine.gguf_meta import GGUFError, read_gguf_info
 from ..engine.planner import AUTO_PARALLEL, plan_engine
+from ..engine.sd_argv import sd_footprint
 from ..errors import GezelError
 from ..gpu.ledger import CPU_DEVICE, default_capacities, format_bytes
 from ..gpu.probe import DeviceHealth, NvmlProbe
 from .models_dir import models_from_dir
-from .schema import Config
+from .schema import Config, ModelConfig
 
 __all__ = ["CheckReport", "check_config"]
 
@@ -79,6 +80,25 @@ class CheckReport:
         lines += [f"problem: {p}" for p in self.problems]
         lines.append("ok" if self.ok else f"{len(self.problems)} problem(s)")
         return "\n".join(lines)
+
+
+def _check_image_model(report: CheckReport, config: Config, model: ModelConfig, key: str) -> int:
+    """An image model's line: the sd-server that runs it and its estimated footprint
+    (its files' problems are the config's own, reported already). The bytes estimated."""
+    try:
+        binary = str(resolve_sd_server(config.engine.sd_server).path)
+    except GezelError as exc:
+        report.problems.append(f"{key}: engine.sd_server: {exc.message}")
+        binary = "no sd-server"
+    nbytes = sd_footprint(model.files, model.path)
+    report.plans[model.id] = {
+        "kind": "image",
+        "engine": binary,
+        "total_bytes": nbytes,
+        "summary": f"image model on sd-server ({binary}), about {format_bytes(nbytes)} "
+        f"estimated from its files on {report.device}",
+    }
+    return nbytes
 
 
 async def read_device_health() -> DeviceHealth:
@@ -142,6 +162,11 @@ def check_config(
         )
         if model.external:
             report.plans[model.id] = {"summary": f"external engine at {model.url}"}
+            continue
+        if model.kind == "image":
+            nbytes = _check_image_model(report, config, model, key)
+            total += nbytes
+            largest = max(largest, nbytes)
             continue
         check_args(f"{key}.args", model.args)
         assert model.path is not None

@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ..engine.sd_argv import SD_FILE_FLAGS
 from ..errors import ConfigError
 
 GpuPolicySetting = Literal["auto", "coexist", "swap"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 KeylessMode = Literal["shared", "conversation", "blind"]
+ModelKind = Literal["text", "image"]
 """How the host treats requests that name no session (``[scheduler] keyless``)."""
 
 MODEL_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
@@ -74,6 +76,9 @@ class ServerConfig:
 @dataclass
 class EngineConfig:
     binary: str | None = None
+    sd_server: str | None = None
+    """The image engine (sd-server) to run; unset: ``$GEZEL_SD_SERVER``, ``PATH``, then a
+    ``build-engine`` build (see :func:`~gezel_trio.engine.binary.resolve_sd_server`)."""
     state_dir: str | None = None
     load_timeout: float = 120.0
     """Seconds from spawn to ``/health`` 200 before the start counts as failed."""
@@ -148,6 +153,7 @@ class GpuConfig:
 class ModelConfig:
     id: str
     path: str | None = None
+    """A text model's GGUF file; an image model's one full model file (``--model``)."""
     url: str | None = None
     name: str | None = None
     parallel: int | None = None
@@ -177,6 +183,12 @@ class ModelConfig:
     """External llama-servers that serve this model too: replicas on other machines."""
     replica_of: str | None = None
     """Set by the host on the engines it expands a replicated model into (not a key)."""
+    kind: ModelKind = "text"
+    """``text``: llama-server serves it; ``image``: stable-diffusion.cpp's sd-server."""
+    files: dict[str, str] = field(default_factory=dict)
+    """An image model's files, by sd-server's flag name with ``_`` for ``-``
+    (``diffusion_model``, ``llm``, ``vae``, ``taesd``, ...; see
+    :data:`~gezel_trio.engine.sd_argv.SD_FILE_FLAGS`)."""
 
     @property
     def external(self) -> bool:
@@ -258,6 +270,13 @@ def _coerce(key: str, value: Any, tp: Any, *, from_text: bool) -> Any:
         if value not in allowed:
             raise ConfigError(f"{key}: expected {_describe(tp)}, got {value!r}")
         return value
+    if origin is dict:
+        _, inner = typing.get_args(tp)
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a table of strings, got {value!r}")
+        return {
+            str(k): _coerce(f"{key}.{k}", v, inner, from_text=from_text) for k, v in value.items()
+        }
     if origin is list:
         (inner,) = typing.get_args(tp)
         if from_text and isinstance(value, str):
@@ -510,6 +529,14 @@ def config_problems(
         )
         check(m.id not in seen, f"{key}.id", f"duplicate model id {m.id!r}")
         seen.add(m.id)
+        if m.kind == "image":
+            out += _image_model_problems(m, key, skip)
+            continue
+        check(
+            not m.files,
+            f"{key}.files",
+            'files are an image model\'s (kind = "image"); a text model has one path',
+        )
         check(
             (m.path is None) != (m.url is None),
             key,
@@ -566,6 +593,53 @@ def config_problems(
             f"expected 64..1048576, got {m.ctx_per_slot}",
         )
         check(m.idle_ttl >= 0, f"{key}.idle_ttl", f"expected seconds >= 0, got {m.idle_ttl}")
+    return out
+
+
+_TEXT_ONLY_KEYS = (
+    "url",
+    "parallel",
+    "ctx_per_slot",
+    "embeddings",
+    "reranking",
+    "allow_unsafe_batching",
+    "rpc",
+    "replicas",
+    "replica_urls",
+)
+_SD_OWN_FLAGS = ("--listen-ip", "-l", "--listen-port")
+
+
+def _image_model_problems(m: ModelConfig, key: str, skip: Collection[str]) -> list[str]:
+    """The rules an image model (``kind = "image"``) breaks: its files (known flag names,
+    files that exist), and no text-model key set. Reads the file system (stat)."""
+    out: list[str] = []
+    defaults = ModelConfig(id=m.id)
+    for name in _TEXT_ONLY_KEYS:
+        if getattr(m, name) != getattr(defaults, name) and f"{key}.{name}" not in skip:
+            out.append(f'{key}.{name}: not an image model\'s key (kind = "image"); remove it')
+    if f"{key}.files" in skip or f"{key}.path" in skip:
+        return out
+    if not m.files and m.path is None:
+        out.append(
+            f"{key}: an image model needs its files: path (one full model file) or a files "
+            'table, such as files = {diffusion_model = "...", llm = "...", vae = "..."}'
+        )
+    for name, file in sorted(m.files.items()):
+        if name not in SD_FILE_FLAGS:
+            out.append(
+                f"{key}.files.{name}: not a model-file flag of sd-server; expected one of "
+                + ", ".join(SD_FILE_FLAGS)
+            )
+        elif not Path(file).expanduser().is_file():
+            out.append(f"{key}.files.{name}: no such file {file!r}")
+    if m.path is not None and not Path(m.path).expanduser().is_file():
+        out.append(f"{key}.path: no such file {m.path!r}")
+    if m.idle_ttl < 0:
+        out.append(f"{key}.idle_ttl: expected seconds >= 0, got {m.idle_ttl}")
+    for flag in m.args:
+        if flag.split("=", 1)[0] in _SD_OWN_FLAGS:
+            out.append(f"{key}.args: {flag} is the host's to set (it runs sd-server on loopback)")
     return out
 
 

@@ -45,7 +45,14 @@ from typing import Any, Protocol
 import httpx
 import trio
 
-from ..errors import EngineCrashed, EngineFailed, EngineTimeout, GezelError
+from ..errors import (
+    BadRequest,
+    EngineCrashed,
+    EngineFailed,
+    EngineTimeout,
+    GezelError,
+    QueueFull,
+)
 
 __all__ = [
     "EngineClient",
@@ -270,6 +277,26 @@ async def read_slot_shape(
 _CLOSE = {"Connection": "close"}
 
 
+def _json_object(resp: httpx.Response) -> dict[str, Any]:
+    """The answer's JSON object; {} when it is none."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _engine_message(resp: httpx.Response, answer: Mapping[str, Any]) -> str:
+    """What an engine's error answer says: its ``error.message`` (or ``error`` text),
+    else the start of its body."""
+    error = answer.get("error")
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return str(error["message"])
+    if isinstance(error, str):
+        return error
+    return resp.text[:300] or f"status {resp.status_code}"
+
+
 def _timeout(read_timeout: float | None) -> httpx.Timeout:
     return httpx.Timeout(connect=10.0, read=read_timeout, write=60.0, pool=None)
 
@@ -461,6 +488,59 @@ class EngineClient:
         except ValueError:
             body = {}
         return body if isinstance(body, dict) else {}
+
+    # ------------------------------------------------------------------ image jobs
+
+    async def image_submit(
+        self, kind: str, body: Mapping[str, Any], *, answer_within: float = 30.0
+    ) -> str:
+        """``POST /sdcpp/v1/{kind}`` (``img_gen``, ``vid_gen``): sd-server's job id.
+
+        sd-server's 400 (a body it refuses) is a :class:`BadRequest` carrying its
+        message; 429 (its queue is full) :class:`QueueFull`; anything else but 202
+        EngineFailed. Cancellation closes the connection: a job it created meanwhile is
+        not known to the caller (it runs; the caller stops the engine when that matters).
+        """
+        resp = await self._control(
+            "POST", f"/sdcpp/v1/{kind}", action=kind, answer_within=answer_within, json=body
+        )
+        answer = _json_object(resp)
+        if resp.status_code == 202 and isinstance(answer.get("id"), str):
+            job_id: str = answer["id"]
+            return job_id
+        message = _engine_message(resp, answer)
+        if resp.status_code == 400:
+            raise BadRequest(f"the image engine refused the request: {message}")
+        if resp.status_code == 429:
+            raise QueueFull(f"the image engine's queue is full: {message}")
+        raise EngineFailed(f"the image engine answered {resp.status_code} to {kind}: {message}")
+
+    async def image_job(self, job_id: str, *, answer_within: float = 10.0) -> dict[str, Any]:
+        """``GET /sdcpp/v1/jobs/{id}``: the job's state as sd-server reports it (``status``,
+        ``result``, ``error``). EngineFailed when it does not know the job (404, 410:
+        a restart lost it). Cancellation closes the connection."""
+        resp = await self._control(
+            "GET", f"/sdcpp/v1/jobs/{job_id}", action="job", answer_within=answer_within
+        )
+        answer = _json_object(resp)
+        if resp.status_code != 200 or not isinstance(answer.get("status"), str):
+            raise EngineFailed(
+                f"the image engine lost job {job_id} ({resp.status_code}: "
+                f"{_engine_message(resp, answer)})"
+            )
+        return answer
+
+    async def image_cancel(self, job_id: str, *, answer_within: float = 2.0) -> bool:
+        """``POST /sdcpp/v1/jobs/{id}/cancel``: whether sd-server cancelled it (a queued
+        job; one that is generating answers 409 and runs on). Cancellation closes the
+        connection."""
+        resp = await self._control(
+            "POST",
+            f"/sdcpp/v1/jobs/{job_id}/cancel",
+            action="job_cancel",
+            answer_within=answer_within,
+        )
+        return resp.status_code == 200
 
     # ------------------------------------------------------------------ requests
 

@@ -31,8 +31,9 @@ async def wait_healthy(
     stopping: Callable[[], bool],
     within: float,
     check_timeout: float,
+    path: str = "/health",
 ) -> StartOutcome:
-    """Poll the starting engine at ``base_url`` until ``/health`` answers 200, ``exited``
+    """Poll the starting engine at ``base_url`` until ``path`` answers 200, ``exited``
     is set, ``stopping()`` is true or ``within`` seconds have passed; say which.
 
     It polls fast while the socket comes up (5 ms, doubling), then every 100 ms; an
@@ -45,7 +46,7 @@ async def wait_healthy(
                 return "exited"
             if stopping():
                 return "stopping"
-            if (await check_health(http, base_url, answer_within=check_timeout)).ok:
+            if (await check_health(http, base_url, answer_within=check_timeout, path=path)).ok:
                 return "healthy"
             # Poll fast while the socket comes up, then back off gently.
             with trio.move_on_after(delay):
@@ -54,9 +55,11 @@ async def wait_healthy(
     return "timeout"
 
 
-async def healthy_within(http: httpx.AsyncClient, base_url: str, *, within: float) -> bool:
-    """One check of a running engine: whether ``/health`` answered 200 within ``within``
-    seconds, all of it (connecting included). Cancellation abandons the check."""
+async def healthy_within(
+    http: httpx.AsyncClient, base_url: str, *, within: float, path: str = "/health"
+) -> bool:
+    """One check of a running engine: whether ``path`` (``/health``) answered 200 within
+    ``within`` seconds, all of it (connecting included). Cancellation abandons the check."""
     with trio.move_on_after(within):
-        return (await check_health(http, base_url, answer_within=within)).ok
+        return (await check_health(http, base_url, answer_within=within, path=path)).ok
     return False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import os
 import time
+from collections.abc import Callable
 
 import trio
 
@@ -18,6 +19,9 @@ class LogRing:
         self.total = 0
         self._gather: trio.CancelScope | None = None  # the pump's wait, while it gathers
         self._caught_up: trio.Event | None = None  # for readers hurrying that wait
+        self.observer: Callable[[bytes], None] | None = None
+        """Given every chunk the pump reads, as read (``\r``-separated updates too, which
+        make no line until the next ``\n``): the image engine's progress is read so."""
 
     def __repr__(self) -> str:
         return f"<LogRing {len(self._lines)}/{self._lines.maxlen} lines, {self.dropped} dropped>"
@@ -81,6 +85,8 @@ class LogRing:
                         await trio.sleep_forever()
                     self._gather = None
                     chunk += _ready_bytes(stream)
+                if self.observer is not None:
+                    self.observer(bytes(chunk))
                 buf += chunk
                 *lines, buf = buf.split(b"\n")
                 for raw in lines:

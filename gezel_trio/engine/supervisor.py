@@ -44,6 +44,7 @@ from ..errors import EngineCrashed, EngineFailed, EngineStopped, GezelError
 from .client import read_slot_shape
 from .external import check_external, watch_external
 from .health import healthy_within, wait_healthy
+from .kinds import LLAMA_SERVER, EngineKind
 from .logs import LogRing
 from .pidfile import reap_orphan, remove_pidfile, write_pidfile
 from .ports import free_port, port_in_use
@@ -133,11 +134,14 @@ class Engine:
         reserve: ReservationFactory,
         log_lines: int,
         pid_file: Path | None = None,
+        kind: EngineKind = LLAMA_SERVER,
     ) -> None:
         if (argv_builder is None) == (url is None):
             raise ValueError("an engine is either spawned (argv_builder) or external (url)")
         self.key = key
         self.model_id = model_id
+        self.kind = kind
+        """The engine program: its health route, whether it has slots to read."""
         self.external = url is not None
         self._argv_builder = argv_builder
         self._env = env
@@ -560,6 +564,7 @@ class Engine:
             stopping=lambda: self._stop_requested.is_set(),
             within=self.timing.load_timeout,
             check_timeout=self.timing.health_timeout,
+            path=self.kind.health_path,
         )
         if outcome == "exited":
             # Its last words (why it exited) may still be in the pipe: the pipe closes
@@ -613,13 +618,19 @@ class Engine:
             if now >= next_check:
                 next_check = now + self.timing.health_interval
                 healthy = await healthy_within(
-                    self._http, base_url, within=self.timing.health_timeout
+                    self._http,
+                    base_url,
+                    within=self.timing.health_timeout,
+                    path=self.kind.health_path,
                 )
                 if exited.is_set():
                     return
                 failures = 0 if healthy else failures + 1
                 if failures >= self.timing.health_failures:
-                    reason = f"engine stopped answering /health ({failures} checks failed): killed"
+                    reason = (
+                        f"engine stopped answering {self.kind.health_path} "
+                        f"({failures} checks failed): killed"
+                    )
                     self.log.append(f"[gezel] {reason}")
                     self._stopping_on_purpose = True
                     self._stop_reason = reason
@@ -720,7 +731,9 @@ class Engine:
         """Learn the slots and each one's context from the engine that just answered
         ``/health`` (:func:`.client.read_slot_shape`): what the host reports and
         limits by is what the engine runs. Unknown (None) when it does not say.
-        Cancellation abandons the reading."""
+        Cancellation abandons the reading. An engine kind without slots: nothing to read."""
+        if not self.kind.slot_shape:
+            return
         shape = await read_slot_shape(
             self._http, base_url, answer_within=max(1.0, self.timing.health_timeout)
         )
@@ -755,6 +768,7 @@ async def open_engine(
     reserve: ReservationFactory = no_reservation,
     log_lines: int = 400,
     pid_file: Path | None = None,
+    kind: EngineKind = LLAMA_SERVER,
 ) -> AsyncIterator[Engine]:
     """Supervise one engine for the duration of the block.
 
@@ -775,6 +789,7 @@ async def open_engine(
         reserve=reserve,
         log_lines=log_lines,
         pid_file=pid_file,
+        kind=kind,
     )
     async with unwrapping(), trio.open_nursery() as nursery:
         await nursery.start(engine._serve)

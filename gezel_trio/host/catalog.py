@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -41,19 +42,29 @@ import trio
 from ..config.models_dir import models_from_dir
 from ..config.schema import Config, ModelConfig, load_config
 from ..engine.argv import last_arg_value
+from ..engine.binary import resolve_sd_server
 from ..engine.client import EngineClient
 from ..engine.gguf_meta import GGUFError, read_gguf_info
+from ..engine.kinds import SD_SERVER
 from ..engine.rpc import unreachable
-from ..engine.supervisor import default_slot_save_dir, no_reservation, open_engine
-from ..errors import ConfigError
+from ..engine.supervisor import Engine, default_slot_save_dir, no_reservation, open_engine
+from ..errors import ConfigError, EngineNotFound
 from ..gpu.arbiter import GpuArbiter
 from ..gpu.ledger import DeviceLedger
 from ..kv.store import KvStore
 from ..scheduler import Scheduler
 from ..scheduler.replicas import expand_replicas
 from .calibration import Calibrator, serve_calibration
+from .image_runtime import ImageRuntime
 from .metrics import Metrics
-from .placement import EngineResolver, argv_builder, engine_timing, reservation_for
+from .placement import (
+    EngineResolver,
+    argv_builder,
+    engine_timing,
+    image_argv_builder,
+    image_reservation,
+    reservation_for,
+)
 from .runtime import ModelRuntime, ModelSetup
 
 __all__ = [
@@ -86,7 +97,8 @@ class ReloadPlan:
 
 def plan_reload(current: Mapping[str, ModelConfig], wanted: Sequence[ModelConfig]) -> ReloadPlan:
     """Compare the running models with ``wanted`` (no I/O). A model whose kind changes
-    (a file becomes a URL, or back) is removed and added, not changed."""
+    (a file becomes a URL, or back; a text model an image model) is removed and added,
+    not changed."""
     by_id = {m.id: m for m in wanted}
     added: list[ModelConfig] = []
     changed: list[ModelConfig] = []
@@ -96,7 +108,7 @@ def plan_reload(current: Mapping[str, ModelConfig], wanted: Sequence[ModelConfig
         old = current.get(model.id)
         if old is None:
             added.append(model)
-        elif old.external != model.external:
+        elif old.external != model.external or old.kind != model.kind:
             removed.append(model.id)
             added.append(model)
         elif old != model:
@@ -146,6 +158,8 @@ class Catalog:
         self._transport = transport
         """The connection pool every engine call goes through."""
         self._resolver = resolver
+        self._image_resolver = EngineResolver(config.engine.sd_server, resolve=resolve_sd_server)
+        """sd-server, for the image models."""
         self._arbiter = arbiter
         self._ledger = ledger
         self._metrics = metrics
@@ -193,11 +207,52 @@ class Catalog:
         the host)."""
         if model.id in self.models:
             raise ConfigError(f"models: {model.id!r} is already served")
+        setup = ModelSetup(config=model, extra_args=tuple(self.config.engine.extra_args))
+        if model.kind == "image":
+            engine_cm, make_runtime = self._image_engine(model, setup)
+        else:
+            engine_cm, make_runtime = await self._text_engine(model, setup)
+
+        async def run_engine(
+            *, task_status: trio.TaskStatus[ModelRuntime] = trio.TASK_STATUS_IGNORED
+        ) -> None:
+            async with engine_cm as engine:
+                runtime = make_runtime(
+                    setup=setup,
+                    engine=engine,
+                    client=EngineClient(
+                        self._transport,
+                        engine,
+                        read_timeout=self.config.engine.request_timeout,
+                        model_id=model.id,
+                    ),
+                    arbiter=self._arbiter,
+                    metrics=self._metrics,
+                )
+                task_status.started(runtime)
+                await runtime.retired.wait()
+
+        runtime: ModelRuntime = await self._engines.start(run_engine)
+        try:
+            self._register(runtime)
+        except BaseException:
+            runtime.retired.set()  # its engine task ends: nothing is left behind
+            raise
+        if self.scheduler is not None:
+            self.scheduler.add_lane(runtime)
+            if not model.external and model.kind == "text" and self.serving:
+                assert self._calibrator is not None
+                await self.tasks.start(serve_calibration, self._calibrator(), runtime)
+        return runtime
+
+    async def _text_engine(
+        self, model: ModelConfig, setup: ModelSetup
+    ) -> tuple[AbstractAsyncContextManager[Engine], Callable[..., ModelRuntime]]:
+        """A text model's engine (llama-server, or an external one) and its runtime's
+        maker; its GGUF's metadata read into ``setup``."""
         config = self.config
         resolver = self._resolver
         state_dir = config.state_dir
-        setup = ModelSetup(config=model, extra_args=tuple(config.engine.extra_args))
-        build = self._fingerprint()
         env = None
         if not model.external and resolver.error is None:
             env = resolver.get().launch_env()
@@ -219,51 +274,44 @@ class Catalog:
             ),
             pid_file=None if model.external else state_dir / "engines" / f"{model.id}.json",
         )
-
         if not model.external:
             assert model.path is not None
             with contextlib.suppress(GGUFError):  # an unreadable file fails at engine start
                 setup.gguf = await trio.to_thread.run_sync(read_gguf_info, model.path)
+        return engine_cm, partial(ModelRuntime, kv=self._kv, build=self._fingerprint())
 
-        async def run_engine(
-            *, task_status: trio.TaskStatus[ModelRuntime] = trio.TASK_STATUS_IGNORED
-        ) -> None:
-            async with engine_cm as engine:
-                runtime = ModelRuntime(
-                    setup=setup,
-                    engine=engine,
-                    client=EngineClient(
-                        self._transport,
-                        engine,
-                        read_timeout=config.engine.request_timeout,
-                        model_id=model.id,
-                    ),
-                    arbiter=self._arbiter,
-                    metrics=self._metrics,
-                    kv=self._kv,
-                    build=build,
-                )
-                task_status.started(runtime)
-                await runtime.retired.wait()
-
-        runtime: ModelRuntime = await self._engines.start(run_engine)
-        try:
-            self._register(runtime)
-        except BaseException:
-            runtime.retired.set()  # its engine task ends: nothing is left behind
-            raise
-        if self.scheduler is not None:
-            self.scheduler.add_lane(runtime)
-            if not model.external and self.serving:
-                assert self._calibrator is not None
-                await self.tasks.start(serve_calibration, self._calibrator(), runtime)
-        return runtime
+    def _image_engine(
+        self, model: ModelConfig, setup: ModelSetup
+    ) -> tuple[AbstractAsyncContextManager[Engine], Callable[..., ModelRuntime]]:
+        """An image model's engine (sd-server: its health route, no slots to read) and
+        its runtime's maker: the same supervisor, arbiter and ledger as a text model's."""
+        config = self.config
+        resolver = self._image_resolver
+        env = None
+        if resolver.error is None:
+            with contextlib.suppress(EngineNotFound):  # the start says so, with the places tried
+                env = resolver.get().launch_env()
+        engine_cm = open_engine(
+            key=model.id,
+            model_id=model.id,
+            http=self._http,
+            argv_builder=image_argv_builder(setup, resolver),
+            env=env,
+            timing=engine_timing(config, model),
+            log_lines=config.engine.log_lines,
+            reserve=image_reservation(setup, ledger=self._ledger, device=self._device),
+            pid_file=config.state_dir / "engines" / f"{model.id}.json",
+            kind=SD_SERVER,
+        )
+        return engine_cm, ImageRuntime
 
     def _register(self, runtime: ModelRuntime) -> None:
         """Give an opened model its evictor and hooks, and list it (synchronous)."""
         model = runtime.config
         config = self.config
-        if not model.external:
+        if model.kind == "image":
+            self._arbiter.register_evictor(model.gpu_class, runtime.engine.stop, owner_id=model.id)
+        elif not model.external:
             if self._kv is not None:
                 user = last_arg_value(model.args, "--slot-save-path")
                 home = Path(user) if user else default_slot_save_dir(config.state_dir, model.id)
@@ -325,7 +373,7 @@ class Catalog:
         if runtime is None:
             return
         gguf = runtime.gguf
-        if model.path and model.path != runtime.config.path:
+        if model.kind == "text" and model.path and model.path != runtime.config.path:
             gguf = None
             with contextlib.suppress(GGUFError):
                 gguf = await trio.to_thread.run_sync(read_gguf_info, model.path)

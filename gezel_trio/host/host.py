@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import replace
 from functools import partial
@@ -26,7 +26,7 @@ import trio
 
 from .. import __version__
 from .._trio import unwrapping
-from ..config.schema import Config
+from ..config.schema import Config, ModelKind
 from ..engine.argv import last_arg_value
 from ..engine.speed import measure_speed
 from ..engine.supervisor import EngineState, default_slot_save_dir
@@ -39,6 +39,7 @@ from ..errors import (
     ModelLocked,
     NoCapacity,
     UnknownModel,
+    WrongModelKind,
 )
 from ..gpu.arbiter import GpuArbiter, resolve_policy
 from ..gpu.health import DeviceSafetyPolicy, HealthGate
@@ -50,6 +51,7 @@ from ..gpu.ledger import (
     open_ledger,
 )
 from ..gpu.probe import DeviceHealth, NvmlProbe, Probe
+from ..images.job import ImageJob, ImageProgress, ImageResult
 from ..kv.prefix import shared_blocks
 from ..kv.sessions import SessionKeys
 from ..kv.store import KvStore, default_budget
@@ -68,6 +70,7 @@ from .activity import Activity
 from .calibration import CalibrationBook, Calibrator, calibrate, serve_calibration
 from .catalog import Catalog, wanted_models
 from .completion import CompletionService
+from .images import render
 from .metrics import Metrics
 from .placement import EngineResolver
 from .runtime import ModelRuntime
@@ -163,19 +166,27 @@ class Host:
     # -------------------------------------------------------------- model selection
 
     def resolve_model(
-        self, model_id: object, *, session: str | None = None, avoid: Collection[str] = ()
+        self,
+        model_id: object,
+        *,
+        session: str | None = None,
+        avoid: Collection[str] = (),
+        kind: ModelKind | None = "text",
     ) -> ModelRuntime:
-        """The runtime for a request's ``model`` field.
+        """The runtime for a request's ``model`` field, a model of ``kind`` (None: any).
 
-        A missing ``model`` picks the first configured model. A replicated model's id
-        picks one of its members for ``session`` (see :mod:`gezel_trio.scheduler.replicas`),
+        A missing ``model`` picks the first configured model of ``kind``; a model of
+        another kind is :class:`WrongModelKind` (400). A replicated model's id picks one
+        of its members for ``session`` (see :mod:`gezel_trio.scheduler.replicas`),
         never one in ``avoid`` while another is left. Raises :class:`UnknownModel`
         (404) or :class:`ModelLocked` (409, before the request reaches the scheduler).
         """
         if model_id is None or model_id == "":
-            if not self.models:
-                raise UnknownModel("no models are configured")
-            first = next(iter(self.models.values()))
+            first = next(
+                (rt for rt in self.models.values() if kind in (None, rt.config.kind)), None
+            )
+            if first is None:
+                raise UnknownModel(f"no {kind + ' ' if kind else ''}models are configured")
             model_id = first.config.replica_of or first.id
         if not isinstance(model_id, str):
             raise UnknownModel(f"model must be a string naming a model, got {model_id!r}")
@@ -195,6 +206,8 @@ class Host:
                     f"the model {model_id[:200]!r} does not exist; known models: {known}"
                 )
             runtime = found
+        if kind is not None and runtime.config.kind != kind:
+            raise WrongModelKind(_kind_mismatch(runtime.config.replica_of or runtime.id, kind))
         if self.config.scheduler.lock_model and self.models:
             locked = self.public_ids()[0]
             public = runtime.config.replica_of or runtime.id
@@ -210,7 +223,7 @@ class Host:
         model's own id, not a member's); routes nothing. Raises like resolve_model."""
         if isinstance(model_id, str) and self.replica_members(model_id):
             return model_id
-        rt = self.resolve_model(model_id)
+        rt = self.resolve_model(model_id, kind=None)
         return rt.config.replica_of or rt.id
 
     def public_ids(self) -> list[str]:
@@ -466,6 +479,35 @@ class Host:
                 crashed = member.engine.crash_error("it stopped answering its health checks")
                 raise EngineAbandoned(crashed.message)
 
+    async def render(
+        self,
+        model: str | None,
+        job: ImageJob,
+        *,
+        caller: str,
+        on_progress: Callable[[ImageProgress], None] | None = None,
+        request_id: str | None = None,
+        route: str | None = None,
+    ) -> ImageResult:
+        """Render ``job`` on the image model ``model`` (None: the first one) for ``caller``
+        (its HMAC identity) and return the images: the image lane's one slot and its GPU
+        lease held for the whole job; ``on_progress`` gets each sampling step; the request
+        log line, metric and activity row are written here (``route`` names the route).
+        Errors are the project's: UnknownModel, WrongModelKind (a text model), BadRequest
+        (sd-server refused the body: its message), QueueFull, NoCapacity, EngineFailed.
+        Cancellation (the caller left) cancels a queued job in the engine, or stops the
+        engine when the job is generating; grant and lease are released within a second
+        (see :mod:`.images`)."""
+        return await render(
+            self,
+            model,
+            job,
+            caller=caller,
+            on_progress=on_progress,
+            request_id=request_id,
+            route=route,
+        )
+
     async def calibrate(self, runtime: ModelRuntime) -> dict[str, Any]:
         """Run the co-batch calibration now (an exclusive operation); returns its result."""
         result = await calibrate(self.calibrator(), runtime)
@@ -610,6 +652,19 @@ class Host:
     async def refresh_device_health(self) -> None:
         health = await self.health_gate.device_health(max_age=1.0)
         self.last_device_health = health
+
+
+def _kind_mismatch(model_id: str, route_kind: str) -> str:
+    """Why a route of ``route_kind`` refuses the model ``model_id`` (of the other kind)."""
+    if route_kind == "text":
+        return (
+            f"the model {model_id!r} is an image model: ask an image route for it "
+            "(POST /v1/images/generations); this route serves text models"
+        )
+    return (
+        f"the model {model_id!r} is a text model: image routes serve image models "
+        '(kind = "image" in [[models]])'
+    )
 
 
 @asynccontextmanager

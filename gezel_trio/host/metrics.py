@@ -118,6 +118,12 @@ class Metrics:
             buckets=TTFT_BUCKETS,
             registry=r,
         )
+        self.images = Counter(
+            "gezel_images_generated",
+            "Images an image model rendered (a job of n images counts n).",
+            ("model",),
+            registry=r,
+        )
         self.status_collector: StatusCollector | None = None
         if status is not None:
             self.status_collector = StatusCollector(status)
@@ -161,6 +167,11 @@ class Metrics:
     def engine_restart(self, model: str) -> None:
         """Record one engine restart after a crash."""
         self.restarts.labels(model).inc()
+
+    def images_done(self, model: str, count: int) -> None:
+        """Record the images of one completed render."""
+        if count > 0:
+            self.images.labels(model).inc(count)
 
     def lease_wait(self, seconds: float) -> None:
         """Record how long a job or engine waited for its GPU lease."""

@@ -21,6 +21,7 @@ from ..engine.binary import BuildFacts, EngineBinary, read_build_facts, resolve_
 from ..engine.gguf_meta import GGUFError, GGUFInfo, read_gguf_info
 from ..engine.planner import EnginePlan, plan_engine
 from ..engine.rpc import worker_devices
+from ..engine.sd_argv import sd_argv, sd_footprint
 from ..engine.supervisor import SupervisorTiming, default_slot_save_dir
 from ..errors import EngineFailed, EngineNotFound, NoCapacity
 from ..gpu.ledger import CPU_DEVICE, DeviceLedger, denial_message
@@ -33,6 +34,8 @@ __all__ = [
     "EngineResolver",
     "argv_builder",
     "engine_timing",
+    "image_argv_builder",
+    "image_reservation",
     "reservation_for",
 ]
 
@@ -40,10 +43,18 @@ log = logging.getLogger("gezel_trio.host.placement")
 
 
 class EngineResolver:
-    """Resolves the engine binary once, on first need, and remembers the error otherwise."""
+    """Resolves the engine binary once, on first need, and remembers the error otherwise.
+    ``resolve``: llama-server's resolution (:func:`resolve_engine`), or the image
+    engine's (:func:`~gezel_trio.engine.binary.resolve_sd_server`)."""
 
-    def __init__(self, explicit: str | None) -> None:
+    def __init__(
+        self,
+        explicit: str | None,
+        *,
+        resolve: Callable[[str | None], EngineBinary] = resolve_engine,
+    ) -> None:
         self._explicit = explicit
+        self._resolve = resolve
         self._binary: EngineBinary | None = None
         self.facts: BuildFacts | None = None
         self.error: EngineNotFound | None = None
@@ -51,7 +62,7 @@ class EngineResolver:
     def get(self) -> EngineBinary:
         if self._binary is None:
             try:
-                self._binary = resolve_engine(self._explicit)
+                self._binary = self._resolve(self._explicit)
                 self.error = None
             except EngineNotFound as exc:
                 self.error = exc
@@ -129,6 +140,55 @@ def argv_builder(
         return list(profile.argv), profile.parallel
 
     return build
+
+
+def image_argv_builder(
+    setup: ModelSetup, resolver: EngineResolver
+) -> Callable[[int], tuple[list[str], int]]:
+    """The image engine's argv at each start (:func:`~gezel_trio.engine.sd_argv.sd_argv`):
+    its model files, the port, the model's ``args``; one slot (sd-server renders one
+    job at a time). Raises EngineFailed naming a model file that is gone."""
+
+    def build(port: int) -> tuple[list[str], int]:
+        model = setup.config  # read at each start: a reload may have changed it
+        binary = resolver.get()
+        for name, file in [*model.files.items(), *([("path", model.path)] if model.path else [])]:
+            if not Path(file).expanduser().is_file():
+                raise EngineFailed(
+                    f"engine for model {model.id!r} cannot start: its {name} file "
+                    f"{file!r} does not exist"
+                )
+        argv = sd_argv(
+            str(binary.path), files=model.files, path=model.path, port=port, user_args=model.args
+        )
+        return argv, 1
+
+    return build
+
+
+def image_reservation(
+    setup: ModelSetup, *, ledger: DeviceLedger, device: Callable[[], str]
+) -> Callable[[], AbstractAsyncContextManager[object]]:
+    """Hold the image engine's bytes on ``device()`` while its process runs: its
+    footprint estimated from its files (:func:`~gezel_trio.engine.sd_argv.sd_footprint`).
+    Raises NoCapacity (bytes needed, free and held) when they do not fit; cancellation
+    holds nothing."""
+
+    @asynccontextmanager
+    async def reserve() -> AsyncIterator[object]:
+        model = setup.config
+        nbytes = await trio.to_thread.run_sync(sd_footprint, model.files, model.path)
+        device_id = device()
+        setup.plan = {
+            "kind": "image",
+            "device": device_id,
+            "total_bytes": nbytes,
+            "reasons": ["estimated from the model files' sizes"],
+        }
+        async with ledger.reservation(device_id, nbytes, owner=model.id, model=model.id) as held:
+            yield held
+
+    return reserve
 
 
 def reservation_for(

@@ -71,6 +71,10 @@ class ModelStats:
     replica_of: str | None = None
     ctx_per_slot: int | None = None
     """Each slot's context: the running engine's ``n_ctx``, else what it will run."""
+    kind: str = "text"
+    """``text`` (llama-server) or ``image`` (sd-server)."""
+    job: dict[str, Any] | None = None
+    """An image model's job running now: its sampling step and steps (None: none)."""
 
     def as_dict(self) -> dict[str, Any]:
         """The engine's fields and the host's, flat (the status page and the
@@ -78,6 +82,8 @@ class ModelStats:
         return {
             **self.engine.as_dict(),
             "name": self.name,
+            "kind": self.kind,
+            "job": self.job,
             "slot_class": self.slot_class,
             "admission_ceiling": self.admission_ceiling,
             "ctx_per_slot": self.ctx_per_slot,
