@@ -240,3 +240,65 @@ async def test_image_dialects_through_the_host(
                 "/sdcpp/v1/img_gen", json={"prompt": "x", "model": "tiny"}, headers=auth
             )
             assert r.status_code == 400 and "is a text model" in r.json()["error"]
+
+
+def _lane_busy(host: Any) -> bool:
+    return any(m["model"] == "img" and m["job"] is not None for m in host.status()["engines"])
+
+
+async def _wait_lane(host: Any, busy: bool, within: float) -> float:
+    """Seconds until the image lane is (not) running a job; fails after ``within``."""
+    started = trio.current_time()
+    with trio.fail_after(within):
+        while True:
+            if _lane_busy(host) == busy:
+                break
+            await trio.sleep(0.02)
+    return trio.current_time() - started
+
+
+async def test_a_client_that_walks_away_ends_its_render(
+    image_model: DemoImageModel,  # noqa: F811
+    sd_server_binary: EngineBinary,
+    engine_binary: EngineBinary,
+    state_dir: Path,
+) -> None:
+    """A streamed Ollama generate whose reader closes it, and a whole SD-WebUI txt2img
+    whose client goes away: each render ends (the engine's job stopped, the lane free)
+    within a few seconds, and the next render is served."""
+    cfg = make_config(
+        [image_config(image_model)],
+        state_dir=state_dir,
+        engine_binary=engine_binary,
+        engine={"sd_server": str(sd_server_binary.path)},
+    )
+    long = {"model": "img", "prompt": "slow", "width": 64, "height": 48, "steps": 100}
+    with trio.fail_after(400):
+        async with running(cfg) as (host, http):
+            async with http.stream("POST", "/api/generate", json=long, timeout=200) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if '"completed"' in line:
+                        break  # sampling has begun: walk away
+            freed = await _wait_lane(host, busy=False, within=30)
+            print(f"streamed generate: lane free {freed:.2f} s after the reader left")
+
+            async def txt2img() -> None:
+                body = {"prompt": "slow", "width": 64, "height": 48, "steps": 100}
+                await http.post("/sdapi/v1/txt2img", json=body, timeout=200)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(txt2img)
+                await _wait_lane(host, busy=True, within=120)
+                await trio.sleep(1)  # into sampling
+                nursery.cancel_scope.cancel()  # the client goes away
+            freed = await _wait_lane(host, busy=False, within=30)
+            print(f"txt2img: lane free {freed:.2f} s after the client left")
+
+            r = await http.post(
+                "/api/generate",
+                json={**long, "steps": 2, "stream": False},
+                timeout=200,
+            )
+            assert r.status_code == 200, r.text
+            assert _png(r.json()["image"]) == (64, 48)
