@@ -234,6 +234,9 @@ async def test_image_dialects_through_the_host(
             done = await _poll(http, r.json()["poll_url"], KEY, {"completed", "failed"})
             assert done["status"] == "completed", done
             assert _png(done["result"]["images"][0]["b64_json"]) == (64, 48)
+            r = await http.post("/sdcpp/v1/vid_gen", json={"prompt": "x"}, headers=auth)
+            assert r.status_code == 400 and "renders no video" in r.json()["error"], r.text
+            assert "img_gen" in r.json()["error"]  # what the engine said it renders
             r = await http.get("/sdcpp/v1/jobs/job_nope", headers=auth)
             assert (r.status_code, r.json()) == (404, {"error": "job not found"})
             r = await http.post(

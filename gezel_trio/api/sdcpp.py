@@ -16,6 +16,7 @@ the host stops its engine, which restarts on the next request). Errors are sd-se
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Final, Literal
@@ -23,7 +24,7 @@ from typing import Final, Literal
 import trio
 from quart import Blueprint, Response, current_app
 
-from ..errors import GezelError
+from ..errors import EngineFailed, FieldError, GezelError
 from ..host import Host
 from ..host.image_jobs import ImageJobRecord, ImageJobs
 from ..images.job import ImageJob, ImageProgress
@@ -106,11 +107,38 @@ def _unix() -> int:
     return int(time.time())
 
 
+async def _engine_modes(host: Host, model: str) -> list[str]:
+    """The generation modes the model's sd-server supports (its capabilities'
+    ``supported_modes``), the engine loaded for the question as for a request.
+    Cancellation abandons the wait."""
+    runtime = host.resolve_model(model, kind="image")
+    async with host.slot(runtime, needs_slot=False):
+        answer = await runtime.client.forward("GET", "/sdcpp/v1/capabilities")
+    try:
+        modes = json.loads(answer.content).get("supported_modes")
+    except (ValueError, AttributeError):
+        modes = None
+    if answer.head.status != 200 or not isinstance(modes, list):
+        raise EngineFailed(
+            f"the image engine did not say what it renders ({answer.head.status}): "
+            f"{answer.content[:200]!r}"
+        )
+    return [str(mode) for mode in modes]
+
+
 async def _submit(kind: Literal["img_gen", "vid_gen"]) -> Response:
     host = _host()
     translated = native_request(await read_json_object(), kind)
     model = image_model(host, translated.model)
     current_exchange().model = model
+    if kind == "vid_gen":
+        modes = await _engine_modes(host, model)
+        if "vid_gen" not in modes:
+            raise FieldError(
+                "model",
+                f"the model {model!r} renders no video (its engine supports: "
+                f"{', '.join(modes) or 'nothing'}); name a video model such as a Wan one",
+            )
     table = image_jobs()
     caller = request_caller()
     record = table.submit(caller, kind=kind, model=model, now=trio.current_time(), unix_now=_unix())
@@ -134,8 +162,8 @@ async def img_gen() -> Response:
 
 @bp.post("/sdcpp/v1/vid_gen")
 async def vid_gen() -> Response:
-    """Video, for a model that renders it: sd-server refuses it otherwise (``loaded
-    model does not support vid_gen``), and the job fails with that error."""
+    """Video, for a model whose engine renders it (its capabilities say ``vid_gen``);
+    for another, a 400 saying so before any job is made."""
     return await _submit("vid_gen")
 
 
