@@ -172,7 +172,8 @@ def failure_of(engine: dict[str, Any]) -> str | None:
 def ps_rows(status: dict[str, Any]) -> list[list[object]]:
     """One row per model from ``/api/status``. MEMORY is the engine's planned bytes while
     its process holds them (starting, ready, stopping); a stopped or failed one holds none.
-    CONTEXT is each slot's context: the engine's own while it runs, else what it will run."""
+    CONTEXT is each slot's context: the engine's own while it runs, else what it will run;
+    an image model's says ``image``, with the running render's sampling step."""
     sched = status.get("scheduler") or {}
     running = sched.get("running") or {}
     tables = sched.get("slots") or {}
@@ -191,13 +192,17 @@ def ps_rows(status: dict[str, Any]) -> list[list[object]]:
             memory = human_bytes(plan.get("total_bytes"))
         else:
             memory = None
+        context = e.get("ctx_per_slot")
+        if e.get("kind") == "image":  # no context: what it renders now, if anything
+            job = e.get("job")
+            context = f"image {job['step']}/{job['steps']}" if job else "image"
         rows.append(
             [
                 model,
                 state,
                 memory,
                 f"{running.get(model, 0)}/{parallel}" if parallel else None,
-                e.get("ctx_per_slot"),
+                context,
                 contents.get("owned", 0),
                 f"{kv.get('parked', 0)} ({human_bytes(kv.get('bytes', 0))})" if kv else "off",
                 human_seconds(e.get("idle_seconds")) if state == "ready" else None,

@@ -789,12 +789,12 @@ async def serve_activity(
 
 
 def kv_dirs(config: Config) -> dict[str, Path]:
-    """Each spawned model's slot-save directory, where its parked files live: the
+    """Each spawned text model's slot-save directory, where its parked files live: the
     user's ``--slot-save-path`` by its last occurrence (as llama-server reads it),
     else the host's default under the state dir. Blocking file I/O."""
     dirs: dict[str, Path] = {}
     for model in wanted_models(config):
-        if model.external:
+        if model.external or model.kind == "image":  # an image engine keeps no KV
             continue
         user = last_arg_value(model.args, "--slot-save-path")
         dirs[model.id] = Path(user) if user else default_slot_save_dir(config.state_dir, model.id)
