@@ -7,6 +7,7 @@ Authenticated like every model route; errors in OpenAI's shape.
 
 from __future__ import annotations
 
+import trio
 from quart import Blueprint, Response, request
 
 from ..errors import BadRequest
@@ -32,7 +33,11 @@ async def edits() -> Response:
     form = await request.form
     uploads = await request.files
     fields = {key: form.get(key, "") for key in form}
-    files = {key: [part.read() for part in uploads.getlist(key)] for key in uploads}
+
+    def read_uploads() -> dict[str, list[bytes]]:  # spooled to disk when large
+        return {key: [part.read() for part in uploads.getlist(key)] for key in uploads}
+
+    files = await trio.to_thread.run_sync(read_uploads)
     translated = edit_request(fields, files)
     model = image_model(host, translated.model)
     result = await render(host, model, translated.job)

@@ -624,8 +624,8 @@ def _image_runtime(host: Host, name: object) -> ModelRuntime | None:
 
 async def _image_generate(runtime: ModelRuntime, body: Mapping[str, Any]) -> Response:
     """``/api/generate`` with an image model: the image, whole or streamed with progress
-    (see :mod:`.ollama_image_translate`). Cancellation (the client left) cancels the
-    render."""
+    (see :mod:`.ollama_image_translate`); ``keep_alive`` applies once it ends, as for a
+    text model. Cancellation (the client left) cancels the render."""
     started_ns = time.monotonic_ns()
     host = _host()
     translated = image_generate_request(body)
@@ -642,8 +642,15 @@ async def _image_generate(runtime: ModelRuntime, body: Mapping[str, Any]) -> Res
             load_only=True,
         )
         return await _load_only(host, runtime, request)
+
+    def done() -> None:
+        _apply_keep_alive(host, runtime, translated.keep_alive)
+
     if not translated.stream:
-        result = await render(host, runtime.id, translated.job)
+        try:
+            result = await render(host, runtime.id, translated.job)
+        finally:
+            done()
         return json_response(image_answer(translated.model, result, clock.wall()))
 
     def shape(event: RenderEvent) -> bytes | None:
@@ -655,7 +662,12 @@ async def _image_generate(runtime: ModelRuntime, body: Mapping[str, Any]) -> Res
         assert event.error is not None
         return ndjson_line(error_body(event.error.message))
 
-    return await stream_render(host, runtime.id, translated.job, media_type=NDJSON, shape=shape)
+    try:
+        resp = await stream_render(host, runtime.id, translated.job, media_type=NDJSON, shape=shape)
+    except BaseException:
+        done()
+        raise
+    return _after_answer(resp, done)
 
 
 async def _embedding(translate: Callable[[Mapping[str, Any]], EngineRequest]) -> Response:

@@ -122,9 +122,11 @@ async def stream_render(
     shape: Callable[[RenderEvent], bytes | None],
 ) -> Response:
     """A 200 streamed response whose body is ``shape`` of each :class:`RenderEvent`
-    (None: nothing to send for it) of a render run as a task of the host's nursery.
+    (None: nothing to send for it) of a render run as a task of the host's nursery,
+    once the render's first event came (its failure before then is the error status).
     Closing the body (the stream ended, or its client left) or the client closing its
-    connection cancels the render."""
+    connection cancels the render; so does cancellation while the first event is
+    awaited."""
     exchange = _recorded_by_render(model)
     route = exchange.path
     caller = request_caller()
@@ -154,25 +156,45 @@ async def stream_render(
 
     scope: trio.CancelScope = await host.tasks.start(run)
     take_back = call_when_client_leaves(scope.cancel)
-
-    async def body() -> AsyncGenerator[bytes, None]:
-        ended = False
+    handed_off = False
+    try:
+        # The status waits for the render's first word, as Ollama's does: a render
+        # refused before it starts is an error status, not a 200 with an error line.
         try:
-            async with recv:
-                async for event in recv:
-                    out = shape(event)
+            first = await recv.receive()
+        except trio.EndOfChannel:
+            exchange.client_left = True
+            raise ClientGone("the client closed its connection before the render began") from None
+        if first.error is not None:
+            raise first.error
+
+        async def body() -> AsyncGenerator[bytes, None]:
+            ended = False
+            try:
+                async with recv:
+                    out = shape(first)
                     if out:
                         yield out
-            ended = True
-        finally:
+                    async for event in recv:
+                        out = shape(event)
+                        if out:
+                            yield out
+                ended = True
+            finally:
+                scope.cancel()
+                if take_back is not None:
+                    take_back()
+                exchange.client_left = not ended
+
+        resp = Response(body(), status=200, content_type=media_type)
+        resp.timeout = None
+        handed_off = True
+        return resp
+    finally:
+        if not handed_off:
             scope.cancel()
             if take_back is not None:
                 take_back()
-            exchange.client_left = not ended
-
-    resp = Response(body(), status=200, content_type=media_type)
-    resp.timeout = None
-    return resp
 
 
 def unix_now() -> int:
