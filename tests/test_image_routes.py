@@ -114,6 +114,13 @@ async def test_image_dialects_through_the_host(
                 with pytest.raises(ollama.ResponseError) as too_wide:
                     ol.generate(model="img", prompt="x", width=5000, stream=False)
                 out["too_wide"] = too_wide.value
+                with pytest.raises(ollama.ResponseError) as refused:  # streamed, yet a status
+                    list(
+                        ol.generate(
+                            model="img", prompt="x", images=[b"not an image"], width=64, height=48
+                        )
+                    )
+                out["refused"] = refused.value
                 return out
 
             out = await trio.to_thread.run_sync(clients)
@@ -140,6 +147,9 @@ async def test_image_dialects_through_the_host(
             assert out["show"].capabilities == ["image"]
             assert out["too_wide"].status_code == 400
             assert "4096" in str(out["too_wide"])
+            # sd-server's own refusal of the input image, before any progress: a 400
+            assert out["refused"].status_code == 400, out["refused"]
+            assert "image engine refused" in str(out["refused"])
 
             # SD-WebUI as Open WebUI's AUTOMATIC1111 engine calls it: Basic auth with the
             # key as its password, options, sd-models, the checkpoint set, txt2img
