@@ -503,7 +503,8 @@ def _job_op(method: str, summary: str, ok: str) -> dict[str, Any]:
 
 
 def _image_paths() -> dict[str, Any]:
-    """The image dialects of :mod:`.images_edits`, :mod:`.sdapi` and :mod:`.sdcpp`."""
+    """The image routes: :mod:`.images_openai`, :mod:`.images_edits`, :mod:`.sdapi` and
+    :mod:`.sdcpp`."""
     loose = {"required": True, "content": {JSON: {"schema": _ref("LooseRequest")}}}
     submit = {
         "tags": ["sd-server jobs"],
@@ -513,7 +514,21 @@ def _image_paths() -> dict[str, Any]:
             "202": _ok("The job: `{id, kind, status, created, poll_url}`.", {"type": "object"}),
         },
     }
+    generations = {
+        "post": {
+            "tags": ["OpenAI"],
+            "summary": "Generate images (`prompt`, `n`, `size`, `output_format`, and "
+            "sd-server's `steps`, `seed`, `negative_prompt`); answers `b64_json`",
+            "requestBody": loose,
+            "responses": _image_responses(
+                _ok("`{created, output_format, data: [{b64_json}]}`", {"type": "object"}),
+                sd_shape=False,
+            ),
+        }
+    }
     return {
+        "/v1/images/generations": generations,
+        "/images/generations": generations,
         "/v1/images/edits": {
             "post": {
                 "tags": ["OpenAI"],
