@@ -165,7 +165,7 @@ def test_edit_takes_the_first_image_size_and_the_legacy_field() -> None:
         ({"prompt": "p", "n": "0"}, {"image": [PNG]}, "n"),
         ({"prompt": "p", "size": "big"}, {"image": [PNG]}, "size"),
         ({"prompt": "p", "output_format": "webp"}, {"image": [PNG]}, "output_format"),
-        ({"prompt": "p", "response_format": "svg"}, {"image": [PNG]}, "response_format"),
+        ({"prompt": "p", "response_format": "url"}, {"image": [PNG]}, "response_format"),
         ({"prompt": "p"}, {"image": [b"not an image"]}, "image"),
     ],
 )

@@ -8,10 +8,10 @@ on) and the first is also the ``init_image`` (img2img for the others); ``mask`` 
 ``mask_image``; ``n`` the ``batch_count``; ``size`` (``WIDTHxHEIGHT``) the output size,
 else the first image's own size (sd-server's native API would render 512x512 instead, so
 the host reads it from the image's header). ``output_format`` is ``png`` or ``jpeg``
-(sd-server's edit route refuses webp). ``response_format`` may be ``b64_json`` or
-``url``: the answer always carries ``b64_json`` (the host keeps no files to link to), as
-sd-server's own answer does. ``model`` names the host's image model (the first image
-model when none is named).
+(sd-server's edit route refuses webp). The answer carries ``b64_json``, as sd-server's
+does; ``response_format: url`` is a 400 (the host keeps no files to link to, and a
+client that asked for URLs would find none), as on ``/v1/images/generations``.
+``model`` names the host's image model (the first image model when none is named).
 """
 
 from __future__ import annotations
@@ -91,8 +91,12 @@ def edit_request(fields: Mapping[str, str], files: Mapping[str, Sequence[bytes]]
         except ValueError:
             raise FieldError("output_compression", "expected an integer 0 to 100") from None
     response_format = _field(fields, "response_format")
-    if response_format not in (None, "b64_json", "url"):
-        raise FieldError("response_format", 'expected "b64_json" (or "url")')
+    if response_format not in (None, "b64_json"):
+        raise FieldError(
+            "response_format",
+            "only 'b64_json' is served (the host keeps no image files to link to), "
+            f"got {response_format!r}",
+        )
     return EditRequest(_field(fields, "model"), ImageJob(apply_extra_args(body)))
 
 
