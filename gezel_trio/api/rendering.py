@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Final
@@ -195,7 +194,3 @@ async def stream_render(
             scope.cancel()
             if take_back is not None:
                 take_back()
-
-
-def unix_now() -> int:
-    return int(time.time())
