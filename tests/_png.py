@@ -73,3 +73,15 @@ def grey_pixels(data: bytes) -> list[list[int]]:
 
     width, _, rows = _png_rows(data)
     return [[row[x] for x in range(width)] for row, _ in rows]
+
+
+def decoded_size(data: bytes) -> tuple[int, int]:
+    """Width and height of a PNG decoded whole (inflated, every row unfiltered): a PNG
+    that only has a plausible header fails here."""
+    from gezel_trio.api.image_data import _png_rows
+
+    width, height, rows = _png_rows(data)
+    assert len(rows) == height, (len(rows), height)
+    assert all(len(row) == width * channels for row, channels in rows)
+    assert (width, height) == png_size(data)
+    return width, height

@@ -24,7 +24,7 @@ from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.demo_image_model import DemoImageModel
 
-from ._png import make_png, png_size
+from ._png import decoded_size, make_png
 from .conftest import make_config, running
 from .test_images_host import image_config, image_model  # noqa: F401 (a fixture)
 
@@ -35,7 +35,8 @@ SOURCE_B64 = base64.b64encode(SOURCE).decode()
 
 
 def _png(b64: str) -> tuple[int, int]:
-    return png_size(base64.b64decode(b64, validate=True))
+    """The size of a base64 PNG, decoded whole."""
+    return decoded_size(base64.b64decode(b64, validate=True))
 
 
 async def _poll(

@@ -28,7 +28,8 @@ from gezel_trio.engine.ports import free_port
 from gezel_trio.images.job import ImageJob
 
 from ._engine_bin import LlamaServer, run_llama_server
-from ._png import make_png, png_size
+from ._png import decoded_size as png_size
+from ._png import make_png
 
 RENDER_TIMEOUT = 240
 
