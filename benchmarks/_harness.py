@@ -134,7 +134,11 @@ def toml_config(models: list[dict[str, Any]], *, port: int, state_dir: str, extr
     for m in models:
         lines.append("[[models]]")
         for k, v in m.items():
-            lines.append(f"{k} = {json.dumps(v)}")
+            if isinstance(v, dict):  # an inline table (an image model's files)
+                pairs = ", ".join(f"{name} = {json.dumps(x)}" for name, x in v.items())
+                lines.append(f"{k} = {{{pairs}}}")
+            else:
+                lines.append(f"{k} = {json.dumps(v)}")
     return "\n".join(lines) + "\n"
 
 

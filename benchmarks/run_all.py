@@ -116,6 +116,11 @@ BENCHES = (
         _module("swap_time", "--size", "small"),
         _module("swap_time", "--size", "tiny", "--runs", "1"),
     ),
+    Bench(
+        "images",
+        _module("images", "--runs", "5"),
+        _module("images", "--runs", "1"),
+    ),
     Bench("cache_reuse", _module("cache_reuse"), _module("cache_reuse", "--turns", "3")),
     Bench(
         "calibration_cost",

@@ -308,8 +308,9 @@ async def test_render_progress_refusals_and_a_crash_restart(
 ) -> None:
     """``Host.render`` as the image routes call it: each sampling step reaches
     ``on_progress`` in order; a body sd-server refuses is a BadRequest carrying its
-    message; a text-kind name is refused; sd-server killed under the host is started
-    again by the supervisor for the next render."""
+    message; an unknown model is refused; sd-server killed under the host is started
+    again by the supervisor for the next render; an idle one is released, and started
+    again on demand."""
     cfg = make_config(
         [image_config(image_model)],
         state_dir=state_dir,
@@ -351,3 +352,9 @@ async def test_render_progress_refusals_and_a_crash_restart(
             result = await host.render("img", job, caller="test")
             assert len(result.images) == 1
             assert img.engine.pid not in (None, first) and img.engine.starts == 2
+
+            img.set_idle_ttl(0.5)  # released when idle, as a text model's engine is
+            await wait_until(lambda: img.engine.pid is None, within=30, what="idle release")
+            assert any("idle for 0.5s" in line for line in img.engine.log.tail(20))
+            result = await host.render("img", job, caller="test")  # started on demand again
+            assert len(result.images) == 1 and img.engine.starts == 3

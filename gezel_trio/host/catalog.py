@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -287,7 +288,7 @@ class Catalog:
         its runtime's maker: the same supervisor, arbiter and ledger as a text model's."""
         config = self.config
         resolver = self._image_resolver
-        env = None
+        env = dict(os.environ)
         if resolver.error is None:
             with contextlib.suppress(EngineNotFound):  # the start says so, with the places tried
                 env = resolver.get().launch_env()
@@ -296,7 +297,7 @@ class Catalog:
             model_id=model.id,
             http=self._http,
             argv_builder=image_argv_builder(setup, resolver),
-            env=env,
+            env=SD_SERVER.environment(env),
             timing=engine_timing(config, model),
             log_lines=config.engine.log_lines,
             reserve=image_reservation(setup, ledger=self._ledger, device=self._device),

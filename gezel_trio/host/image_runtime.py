@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import trio
+
 from ..images.job import ImageProgress
 from ..images.progress import last_progress
 from ..scheduler.jobs import SlotMeasurement
@@ -35,14 +37,17 @@ class ImageRuntime(ModelRuntime):
     renders: int = 0
     """Jobs that completed on this model."""
     _listener: Callable[[ImageProgress], None] | None = field(default=None, repr=False)
+    _output: trio.Event = field(default_factory=trio.Event, repr=False)
 
     def __post_init__(self) -> None:
         self.engine.log.observer = self._observe
 
     def _observe(self, chunk: bytes) -> None:
-        """The engine's output, as read: a progress update goes to the running job."""
+        """The engine's output, as read: a progress update goes to the running job, and
+        a job waiting for output (:meth:`wait_output`) wakes."""
         if self._listener is None:
             return
+        self._output.set()
         update = last_progress(chunk)
         if update is not None and update != self.progress:
             self.progress = update
@@ -59,6 +64,16 @@ class ImageRuntime(ModelRuntime):
         finally:
             self._listener = None
             self.progress = None
+
+    async def wait_output(self, within: float) -> bool:
+        """Wait until the engine writes something (a step done, a stage finished) or
+        ``within`` seconds pass: whether it wrote. A job polls sooner after output, when
+        its state is likely to have changed. Cancellation abandons the wait."""
+        self._output = trio.Event()
+        with trio.move_on_after(within):
+            await self._output.wait()
+            return True
+        return False
 
     # ------------------------------------------------------------------ EngineLane
 

@@ -36,7 +36,11 @@ log = logging.getLogger("gezel_trio.host.images")
 request_log = logging.getLogger("gezel_trio.requests")
 
 POLL_S = 0.15
-"""Seconds between two looks at a running job's state."""
+"""The most seconds between two looks at a running job's state; sooner after the engine
+writes something (:meth:`ImageRuntime.wait_output`)."""
+SOON_S = 0.01
+"""The first look after the engine wrote, doubling up to :data:`POLL_S` while the state
+stays the same (its last log line comes just before the job's images are encoded)."""
 STOP_WITHIN_S = 0.8
 """The most a caller that went away waits for its job's cancel (or the engine's stop)
 before it releases its grant and lease (the stop goes on)."""
@@ -106,15 +110,16 @@ def _ignore(progress: ImageProgress) -> None:
 
 
 async def run_job(runtime: ImageRuntime, job: ImageJob) -> ImageResult:
-    """Submit ``job`` to ``runtime``'s sd-server and poll it to its end (every
-    :data:`POLL_S` seconds): its images. A job that failed in the engine raises
-    EngineFailed with the engine's message. Cancellation cancels a queued job through
-    the API, or stops the engine when it is generating (within :data:`STOP_WITHIN_S`
-    seconds; the stop goes on after)."""
+    """Submit ``job`` to ``runtime``'s sd-server and poll it to its end (at most
+    :data:`POLL_S` seconds apart, sooner after the engine writes): its images. A job
+    that failed in the engine raises EngineFailed with the engine's message.
+    Cancellation cancels a queued job through the API, or stops the engine when it is
+    generating (within :data:`STOP_WITHIN_S` seconds; the stop goes on after)."""
     client = runtime.client
     t0 = time.perf_counter()
     job_id = await client.image_submit(job.kind, job.body)
     state = "queued"
+    delay = POLL_S
     try:
         while True:
             answer = await client.image_job(job_id)
@@ -123,7 +128,8 @@ async def run_job(runtime: ImageRuntime, job: ImageJob) -> ImageResult:
                 return _result(answer, time.perf_counter() - t0)
             if state in ("failed", "cancelled"):
                 raise EngineFailed(f"the image engine's job {state}: {_job_error(answer)}")
-            await trio.sleep(POLL_S)
+            wrote = await runtime.wait_output(delay)
+            delay = SOON_S if wrote else min(delay * 2, POLL_S)
     except BaseException:
         if state in ("queued", "generating"):
             with trio.move_on_after(STOP_WITHIN_S, shield=True):
