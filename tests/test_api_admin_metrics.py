@@ -79,7 +79,8 @@ def _is_openai_error(resp: httpx.Response, status: int) -> dict[str, Any]:
 
 def _is_unauthorized_in_its_dialect(resp: httpx.Response, path: str, rule: str) -> None:
     """A 401 in the shape of the route's own API: Anthropic's under /v1/messages,
-    Ollama's on its routes, OpenAI's everywhere else."""
+    Ollama's on its routes and sd-server's on its own (``{"error": "..."}``), OpenAI's
+    everywhere else."""
     dialect = dialect_of(path)
     if dialect == "anthropic":
         assert resp.status_code == 401, (rule, resp.text)
@@ -87,7 +88,7 @@ def _is_unauthorized_in_its_dialect(resp: httpx.Response, path: str, rule: str) 
         assert body["type"] == "error", (rule, body)
         assert body["error"]["type"] == "authentication_error", (rule, body)
         assert body["error"]["message"], rule
-    elif dialect == "ollama":
+    elif dialect in ("ollama", "sdcpp"):
         assert resp.status_code == 401, (rule, resp.text)
         assert isinstance(resp.json()["error"], str) and resp.json()["error"], rule
     else:

@@ -96,6 +96,7 @@ def create_app(host: Host) -> QuartTrio:
 
     from .admin import bp as admin_bp
     from .anthropic import bp as anthropic_bp
+    from .images_edits import bp as images_edits_bp
     from .images_openai import bp as images_openai_bp
     from .metrics_endpoint import install_metrics
     from .native import bp as native_bp
@@ -103,6 +104,8 @@ def create_app(host: Host) -> QuartTrio:
     from .openai import bp as openai_bp
     from .openapi import bp as openapi_bp
     from .responses import bp as responses_bp
+    from .sdapi import bp as sdapi_bp
+    from .sdcpp import bp as sdcpp_bp
     from .sessions import bp as sessions_bp
     from .status_page import bp as status_page_bp
 
@@ -112,6 +115,9 @@ def create_app(host: Host) -> QuartTrio:
     app.register_blueprint(responses_bp)
     app.register_blueprint(anthropic_bp)
     app.register_blueprint(ollama_bp)
+    app.register_blueprint(images_edits_bp)
+    app.register_blueprint(sdapi_bp)
+    app.register_blueprint(sdcpp_bp)
     app.register_blueprint(admin_bp)
     app.register_blueprint(sessions_bp)
     app.register_blueprint(openapi_bp)

@@ -16,6 +16,8 @@ Errors are shaped for the dialect of the path (see :mod:`.errors`).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 import json
 from collections.abc import Mapping
@@ -79,9 +81,18 @@ NAMES_ATTR = "GEZEL_SESSION_NAMES"
 
 
 def _presented_key(headers: Headers | Mapping[str, str]) -> str | None:
+    """The key a request presents: ``Authorization: Bearer <key>``, ``X-Api-Key``, or
+    HTTP Basic with the key as the password (``user:key``, the user ignored): Open
+    WebUI's AUTOMATIC1111 engine sends its "API auth" setting that way."""
     auth = headers.get("Authorization") or ""
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip()
+    if auth[:6].lower() == "basic ":
+        try:
+            decoded = base64.b64decode(auth[6:].strip(), validate=True).decode("utf-8")
+        except (binascii.Error, ValueError):
+            return None
+        return decoded.partition(":")[2] or decoded or None
     key = headers.get("X-Api-Key")
     return key.strip() if key else None
 
@@ -137,7 +148,8 @@ def authenticate(exchange: Exchange, method: str) -> Response | None:
     if token is None:
         return error_response(
             401,
-            "missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'",
+            "missing API key: send it as 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+            " (or as the password of HTTP Basic auth)",
             type_="invalid_request_error",
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},

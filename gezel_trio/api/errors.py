@@ -2,7 +2,7 @@
 dialect the client speaks (:func:`dialect_of` its path): OpenAI's
 ``{"error": {"message", "type", "param", "code"}}``, Anthropic's
 ``{"type": "error", "error": {"type", "message"}}`` under ``/v1/messages``, and
-Ollama's ``{"error": "..."}`` on its routes.
+``{"error": "..."}`` on Ollama's routes and on sd-server's own (``/sdapi/``, ``/sdcpp/``).
 
 | Case                    | Status                                 |
 |-------------------------|----------------------------------------|
@@ -32,9 +32,11 @@ from .exchange import exchange_or_none
 
 log = logging.getLogger("gezel_trio.api")
 
-Dialect = Literal["openai", "anthropic", "ollama"]
+Dialect = Literal["openai", "anthropic", "ollama", "sdcpp"]
 
 ANTHROPIC_PREFIX = "/v1/messages"
+SDCPP_PREFIXES = ("/sdapi/", "/sdcpp/")
+"""sd-server's SD-WebUI and native routes: their errors are sd-server's ``{"error": "..."}``."""
 OLLAMA_PATHS = frozenset(
     {
         "/api/version",
@@ -61,6 +63,8 @@ def dialect_of(path: str) -> Dialect:
         return "anthropic"
     if path in OLLAMA_PATHS:
         return "ollama"
+    if path.startswith(SDCPP_PREFIXES):
+        return "sdcpp"
     return "openai"
 
 
@@ -115,7 +119,7 @@ def error_response(
     payload: dict[str, Any]
     if dialect == "anthropic":
         payload = anthropic_error_body(status, message)
-    elif dialect == "ollama":
+    elif dialect in ("ollama", "sdcpp"):
         payload = {"error": message}
     else:
         if type_ is None:

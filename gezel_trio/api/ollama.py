@@ -56,6 +56,7 @@ from .auth import request_owner
 from .errors import json_response
 from .exchange import Counts, current_exchange
 from .metrics_endpoint import resolve_model
+from .ollama_image_translate import image_answer, image_generate_request, image_progress
 from .ollama_translate import (
     CHAT_PATH,
     EMBEDDINGS_PATH,
@@ -77,6 +78,7 @@ from .ollama_translate import (
     model_capabilities,
     model_digest,
     model_id_candidates,
+    ndjson_line,
     not_found_message,
     not_implemented_body,
     ps_body,
@@ -87,6 +89,7 @@ from .ollama_translate import (
     version_body,
 )
 from .relay import proxy_completion
+from .rendering import RenderEvent, is_image_model, render, stream_render
 from .validation import read_json_object
 
 __all__ = ["NDJSON", "OllamaShaper", "RequestClock", "bp", "has_projector", "model_facts"]
@@ -326,6 +329,8 @@ async def model_facts(runtime: ModelRuntime, *, extra_args: Sequence[str] = ()) 
     thread: cancellation waits for that read). Whether it takes tools is its engine's
     word once asked (asked here once per engine process, when it runs), else a guess
     from its chat template (:attr:`ModelRuntime.supports_tools`)."""
+    if is_image_model(runtime):
+        return await trio.to_thread.run_sync(_image_facts, runtime)
     config = runtime.config
     public = _public(runtime)
     embedding_only = config.embeddings or config.reranking
@@ -386,6 +391,28 @@ async def model_facts(runtime: ModelRuntime, *, extra_args: Sequence[str] = ()) 
         ),
         parameters=_num_ctx(runtime),
         metadata=tuple(metadata),
+    )
+
+
+def _image_facts(runtime: ModelRuntime) -> ModelFacts:
+    """An image model as Ollama lists one: capabilities ``["image"]`` (what Ollama says
+    of its own image models, which it serves through ``/api/generate``), the size of
+    all its files, the newest file's date (blocking stats: from a thread)."""
+    config: Any = runtime.config
+    files = getattr(config, "files", None) or {}
+    paths = (
+        [str(config.path)] if getattr(config, "path", None) else [str(p) for p in files.values()]
+    )
+    stats = [os.stat(os.path.realpath(p)) for p in paths]
+    size = sum(st.st_size for st in stats)
+    modified_ns = max((st.st_mtime_ns for st in stats), default=runtime.created * 1_000_000_000)
+    first = os.path.realpath(paths[0]) if paths else runtime.id
+    return ModelFacts(
+        model_id=_public(runtime),
+        size=size,
+        modified_ns=modified_ns,
+        digest=model_digest(first, size, modified_ns),
+        capabilities=("image",),
     )
 
 
@@ -496,11 +523,15 @@ def _refuse_unsupported(runtime: ModelRuntime, request: EngineRequest) -> None:
 
 
 async def _prepared(
-    translate: Callable[[Mapping[str, Any]], EngineRequest], *, owned: bool
+    translate: Callable[[Mapping[str, Any]], EngineRequest],
+    *,
+    owned: bool,
+    body: Mapping[str, Any] | None = None,
 ) -> tuple[Host, ModelRuntime, EngineRequest, Owner | None, RequestClock]:
     started_ns = time.monotonic_ns()
     host = _host()
-    body = await read_json_object()
+    if body is None:
+        body = await read_json_object()
     translated = translate(body)
     owner = request_owner(host, body) if owned else None
     session = owner.route_session if owner is not None else None
@@ -512,10 +543,14 @@ async def _prepared(
     return host, runtime, translated, owner, RequestClock.start(runtime, started_ns)
 
 
-async def _completion(translate: Callable[[Mapping[str, Any]], EngineRequest]) -> Response:
+async def _completion(
+    translate: Callable[[Mapping[str, Any]], EngineRequest],
+    *,
+    body: Mapping[str, Any] | None = None,
+) -> Response:
     """``/api/chat`` and ``/api/generate``: through the one completion path.
     Cancellation (the client left) stops the engine's generation."""
-    host, runtime, translated, owner, clock = await _prepared(translate, owned=True)
+    host, runtime, translated, owner, clock = await _prepared(translate, owned=True, body=body)
     assert owner is not None
     clamp = _fit_num_ctx(runtime, translated)
     if translated.load_only:
@@ -569,7 +604,70 @@ async def chat() -> Response:
 
 @bp.post("/api/generate")
 async def generate() -> Response:
-    return await _completion(generate_request)
+    body = await read_json_object()
+    runtime = _image_runtime(_host(), body.get("model") or body.get("name"))
+    if runtime is not None:
+        return await _image_generate(runtime, body)
+    return await _completion(generate_request, body=body)
+
+
+def _image_runtime(host: Host, name: object) -> ModelRuntime | None:
+    """The image model a generate request names, or None (a text model, or no model)."""
+    if not isinstance(name, str) or not name:
+        return None
+    for candidate in model_id_candidates(name):
+        for runtime in host.models.values():
+            if candidate in (runtime.id, runtime.config.name):
+                return runtime if is_image_model(runtime) else None
+    return None
+
+
+async def _image_generate(runtime: ModelRuntime, body: Mapping[str, Any]) -> Response:
+    """``/api/generate`` with an image model: the image, whole or streamed with progress
+    (see :mod:`.ollama_image_translate`); ``keep_alive`` applies once it ends, as for a
+    text model. Cancellation (the client left) cancels the render."""
+    started_ns = time.monotonic_ns()
+    host = _host()
+    translated = image_generate_request(body)
+    clock = RequestClock.start(runtime, started_ns)
+    current_exchange().model = runtime.id
+    if translated.load_only:
+        request = EngineRequest(
+            kind="generate",
+            path="",
+            body={},
+            stream=False,
+            model=translated.model,
+            keep_alive=translated.keep_alive,
+            load_only=True,
+        )
+        return await _load_only(host, runtime, request)
+
+    def done() -> None:
+        _apply_keep_alive(host, runtime, translated.keep_alive)
+
+    if not translated.stream:
+        try:
+            result = await render(host, runtime.id, translated.job)
+        finally:
+            done()
+        return json_response(image_answer(translated.model, result, clock.wall()))
+
+    def shape(event: RenderEvent) -> bytes | None:
+        if event.progress is not None:
+            line = image_progress(translated.model, event.progress)
+            return None if line is None else ndjson_line(line)
+        if event.result is not None:
+            return ndjson_line(image_answer(translated.model, event.result, clock.wall()))
+        assert event.error is not None
+        return ndjson_line(error_body(event.error.message))
+
+    try:
+        resp = await stream_render(host, runtime.id, translated.job, media_type=NDJSON, shape=shape)
+    except BaseException:
+        done()
+        raise
+    return _after_answer(resp, done)
 
 
 async def _embedding(translate: Callable[[Mapping[str, Any]], EngineRequest]) -> Response:
@@ -642,7 +740,7 @@ async def ps() -> Response:
 async def show() -> Response:
     host = _host()
     name, verbose = show_request(await read_json_object())
-    runtime = _resolve(host, name)
+    runtime = _image_runtime(host, name) or _resolve(host, name)
     return json_response(show_body(await _facts(host, runtime), verbose=verbose))
 
 

@@ -448,6 +448,153 @@ def _ollama_paths() -> dict[str, Any]:
     return paths
 
 
+def _sd_err(description: str, *, headers: dict[str, Any] | None = None) -> dict[str, Any]:
+    """sd-server's own error shape, ``{"error": "..."}`` (its SD-WebUI and native routes)."""
+    return _ollama_err(description, headers=headers)
+
+
+def _image_responses(ok: dict[str, Any], *, sd_shape: bool) -> dict[str, Any]:
+    err = _sd_err if sd_shape else _err
+    return {
+        "200": ok,
+        "400": err(
+            "A field to fix (the message names it), a text model named, or sd-server's own "
+            "refusal of the job (its message)."
+        ),
+        "401": err("No API key, or an unknown one (when `[server] api_keys` is set)."),
+        "404": err("Unknown model."),
+        "413": err("The request body is larger than `[server] max_body_bytes`."),
+        "503": err(
+            "The queue is full (with `Retry-After`), the engine failed to start or failed "
+            "the job, or the GPU has no room.",
+            headers=RETRY_AFTER,
+        ),
+    }
+
+
+def _sd_get(summary: str) -> dict[str, Any]:
+    return {
+        "get": {
+            "tags": ["SD-WebUI"],
+            "summary": summary,
+            "responses": {
+                "200": _ok(summary, {"type": "array", "items": {"type": "object"}}),
+                "401": _sd_err("No API key, or an unknown one."),
+            },
+        }
+    }
+
+
+def _job_op(method: str, summary: str, ok: str) -> dict[str, Any]:
+    return {
+        method: {
+            "tags": ["sd-server jobs"],
+            "summary": summary,
+            "parameters": [
+                {"name": "job_id", "in": "path", "required": True, "schema": {"type": "string"}}
+            ],
+            "responses": {
+                "200": _ok(ok, {"type": "object"}),
+                "401": _sd_err("No API key, or an unknown one."),
+                "404": _sd_err("No such job of this caller's (`job not found`)."),
+                "410": _sd_err("The job ended long ago and was forgotten (`job expired`)."),
+            },
+        }
+    }
+
+
+def _image_paths() -> dict[str, Any]:
+    """The image routes: :mod:`.images_openai`, :mod:`.images_edits`, :mod:`.sdapi` and
+    :mod:`.sdcpp`."""
+    loose = {"required": True, "content": {JSON: {"schema": _ref("LooseRequest")}}}
+    submit = {
+        "tags": ["sd-server jobs"],
+        "requestBody": loose,
+        "responses": {
+            **_image_responses(_ok("Never: a job is 202.", {"type": "object"}), sd_shape=True),
+            "202": _ok("The job: `{id, kind, status, created, poll_url}`.", {"type": "object"}),
+        },
+    }
+    generations = {
+        "post": {
+            "tags": ["OpenAI"],
+            "summary": "Generate images (`prompt`, `n`, `size`, `output_format`, and "
+            "sd-server's `steps`, `seed`, `negative_prompt`); answers `b64_json`",
+            "requestBody": loose,
+            "responses": _image_responses(
+                _ok("`{created, output_format, data: [{b64_json}]}`", {"type": "object"}),
+                sd_shape=False,
+            ),
+        }
+    }
+    return {
+        "/v1/images/generations": generations,
+        "/images/generations": generations,
+        "/v1/images/edits": {
+            "post": {
+                "tags": ["OpenAI"],
+                "summary": "Edit images (multipart: `image[]` or `image`, `mask`, `prompt`, "
+                "`n`, `size`, `output_format`); answers `b64_json`",
+                "requestBody": {
+                    "required": True,
+                    "content": {"multipart/form-data": {"schema": {"type": "object"}}},
+                },
+                "responses": _image_responses(
+                    _ok("`{created, output_format, data: [{b64_json}]}`", {"type": "object"}),
+                    sd_shape=False,
+                ),
+            }
+        },
+        "/sdapi/v1/txt2img": {
+            "post": {
+                "tags": ["SD-WebUI"],
+                "summary": "Text to image (AUTOMATIC1111's fields); answers base64 PNGs",
+                "requestBody": loose,
+                "responses": _image_responses(
+                    _ok("`{images, parameters, info}`", {"type": "object"}), sd_shape=True
+                ),
+            }
+        },
+        "/sdapi/v1/img2img": {
+            "post": {
+                "tags": ["SD-WebUI"],
+                "summary": "Image to image (`init_images`, `mask`, `denoising_strength`)",
+                "requestBody": loose,
+                "responses": _image_responses(
+                    _ok("`{images, parameters, info}`", {"type": "object"}), sd_shape=True
+                ),
+            }
+        },
+        "/sdapi/v1/options": {
+            **_sd_get("`samples_format` and the caller's `sd_model_checkpoint`"),
+            "post": {
+                "tags": ["SD-WebUI"],
+                "summary": "Choose the caller's checkpoint (`sd_model_checkpoint`)",
+                "requestBody": loose,
+                "responses": _image_responses(_ok("Done.", {"type": "null"}), sd_shape=True),
+            },
+        },
+        "/sdapi/v1/sd-models": _sd_get("The host's image models, as checkpoints"),
+        "/sdapi/v1/samplers": _sd_get("sd-server's sample methods"),
+        "/sdapi/v1/schedulers": _sd_get("sd-server's schedulers"),
+        "/sdapi/v1/upscalers": _sd_get("The built-in highres upscalers"),
+        "/sdapi/v1/latent-upscale-modes": _sd_get("The latent upscale modes"),
+        "/sdapi/v1/loras": _sd_get("LoRAs (none listed: the host passes no LoRA folder)"),
+        "/sdcpp/v1/img_gen": {
+            "post": {**submit, "summary": "Submit an image job (sd-server's native body)"}
+        },
+        "/sdcpp/v1/vid_gen": {
+            "post": {**submit, "summary": "Submit a video job, for a model that renders video"}
+        },
+        "/sdcpp/v1/jobs/{job_id}": _job_op(
+            "get", "A job: status, queue position, progress, result or error", "The job."
+        ),
+        "/sdcpp/v1/jobs/{job_id}/cancel": _job_op(
+            "post", "Cancel a queued or generating job", "The job, cancelled."
+        ),
+    }
+
+
 def _build_spec() -> dict[str, Any]:
     paths: dict[str, Any] = {
         "/health": {
@@ -772,6 +919,7 @@ def _build_spec() -> dict[str, Any]:
         paths[f"/upstream/{{model}}/{op}"] = _native(op, prefixed=True)
     paths.update(_dialect_paths())
     paths.update(_ollama_paths())
+    paths.update(_image_paths())
     for alias, same in ALIASES.items():
         paths[alias] = copy.deepcopy(paths[same])
 
