@@ -41,6 +41,7 @@ from gezel_trio.config.schema import Config, ModelConfig, validate
 from gezel_trio.engine.demo_model import write_demo_model
 from gezel_trio.engine.supervisor import EngineState
 from gezel_trio.host import Host
+from gezel_trio.kv.store import KvParkingStats
 from gezel_trio.server import open_server
 
 from ._harness import median, write_result
@@ -117,7 +118,7 @@ async def _scenario(kind: str, models: dict[str, Path], tokens: int, seed: int) 
             for body, session in turns:  # a host start before each turn
                 async with _serving(cfg) as (host, client):
                     measured.append(await _turn(client, body, session))
-                    kv = dict(host.models["small"].statistics().kv_parking)
+                    kv = _parking(host.models["small"].statistics().kv_parking)
         else:
             async with _serving(cfg) as (host, client):
                 rt = host.models["small"]
@@ -127,7 +128,7 @@ async def _scenario(kind: str, models: dict[str, Path], tokens: int, seed: int) 
                         await _stop(kind, client, rt.engine)
                         stop_park_ms.append(rt.kv_stats.stop_park_ms - before)
                     measured.append(await _turn(client, body, session))
-                kv = dict(rt.statistics().kv_parking)
+                kv = _parking(rt.statistics().kv_parking)
     (_, _), (ttft, cached), (cold, cold_cached), (start, _) = measured
     return {
         "stop": kind,
@@ -163,6 +164,10 @@ async def _stop(kind: str, client: httpx.AsyncClient, engine: Any) -> None:
     else:
         await engine.state.wait_value(EngineState.STOPPED)
     assert engine.state.value is not EngineState.READY
+
+
+def _parking(stats: KvParkingStats | None) -> dict[str, Any]:
+    return stats.as_dict() if stats is not None else {}
 
 
 def _per_1k(ms: object, tokens: object) -> float | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -48,6 +49,9 @@ class Exchange:
     status: int = 0
     response: bytes = b""
     response_headers: list[tuple[str, str]] = field(default_factory=list)
+    sent_at: float = 0.0  # perf_counter when the request went upstream
+    chunks_at: list[tuple[float, int]] = field(default_factory=list)
+    """(perf_counter, length of ``response`` then) as each chunk of the answer came."""
 
     def json(self) -> Any:
         try:
@@ -121,6 +125,7 @@ class RecordingProxy:
             headers=[*headers, ("accept-encoding", "identity")],
             content=body,
         )
+        exchange.sent_at = time.perf_counter()
         try:
             response = await self._http.send(upstream, stream=True)
         except httpx.HTTPError as exc:
@@ -146,6 +151,7 @@ class RecordingProxy:
             async for chunk in response.aiter_raw():
                 received += chunk
                 exchange.response = bytes(received)
+                exchange.chunks_at.append((time.perf_counter(), len(received)))
                 await stream.send_all(conn.send(h11.Data(data=chunk)))
             await stream.send_all(conn.send(h11.EndOfMessage()))
         except (trio.BrokenResourceError, trio.ClosedResourceError, httpx.HTTPError):
@@ -245,3 +251,33 @@ def _counts_of(obj: dict[str, Any]) -> tuple[int | None, int | None]:
     if "prompt_eval_count" in obj:
         return int(obj["prompt_eval_count"]), None
     return None, None
+
+
+# what an answer's first generated token looks like, in each dialect's stream (text,
+# reasoning, a tool call's arguments), or any non-streamed answer (its one chunk)
+_TOKEN_MARKS = (
+    b'"content":"',
+    b'"reasoning_content":"',
+    b"text_delta",
+    b"thinking_delta",
+    b"input_json_delta",
+    b"output_text.delta",
+    b"arguments.delta",
+    b'"arguments":"',
+)
+
+
+def ttft_s(exchange: Exchange) -> float | None:
+    """Seconds from the request going upstream to the chunk of the answer that brought
+    its first generated token (:data:`_TOKEN_MARKS`; else its last chunk). None when
+    nothing came back."""
+    if not exchange.chunks_at:
+        return None
+    body = exchange.response
+    first = min(
+        (i for i in (body.find(mark) for mark in _TOKEN_MARKS) if i >= 0), default=len(body) - 1
+    )
+    for at, length in exchange.chunks_at:
+        if length > first:
+            return at - exchange.sent_at
+    return exchange.chunks_at[-1][0] - exchange.sent_at

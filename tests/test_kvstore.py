@@ -126,12 +126,36 @@ async def test_the_byte_budget_holds_under_a_fill_evicting_least_recently_used(
     # the most recent ones are kept, over both models
     assert {"s29", "s28", "s27"} <= kept and "s0" not in kept
     assert store.entry("b", "s22") is not None and store.entry("a", "s23") is not None
-    await store.touch("a", "s23")  # used now: the next eviction spares it
+    store.touch("a", "s23")  # used now: the next eviction spares it
     await _park(store, "b", "big", size=500)
     assert store.entry("a", "s23") is not None
     assert store.entry("b", "s22") is None  # the least recently used went first
     evicted = store.model_stats("a").evicted + store.model_stats("b").evicted
     assert evicted == 30 + 1 - len(store.sessions())
+
+
+async def test_a_touch_writes_nothing_and_goes_to_disk_with_the_next_write(
+    tmp_path: Path,
+) -> None:
+    """A restore marks its copy used without waiting on SQLite (it is on the request's
+    critical path); the index on disk gets the time with the store's next write."""
+    store = _open(tmp_path)
+    old = await _park(store, "a", "s1")
+    other = await _park(store, "a", "s2")
+    store.touch("a", "s1", old.file)
+    touched = store.entry("a", "s1")
+    assert touched is not None and touched.used_at > old.saved_at  # the mirror has it now
+    on_disk = _open(tmp_path).entry("a", "s1")
+    assert on_disk is not None and on_disk.used_at == old.saved_at  # nothing written yet
+    await store.drop([other])  # the next write carries it
+    on_disk = _open(tmp_path).entry("a", "s1")
+    assert on_disk is not None and on_disk.used_at == touched.used_at
+    store.touch("a", "s1")
+    again = store.entry("a", "s1")
+    assert again is not None
+    await _park(store, "b", "s3")  # so does a save
+    on_disk = _open(tmp_path).entry("a", "s1")
+    assert on_disk is not None and on_disk.used_at == again.used_at
 
 
 async def test_a_budget_of_zero_keeps_nothing(tmp_path: Path) -> None:

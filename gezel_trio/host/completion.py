@@ -224,13 +224,17 @@ def _message_blocks(messages: Iterable[object]) -> Iterator[str]:
     gives each text part (a part with a string ``text``) as its own header (the part
     without ``text``) and its text's blocks, and any other part (an image, a tool
     result) as one block. A message whose content is neither (none: a tool call, say)
-    is one block, its whole self."""
+    is one block, its whole self. An item's ``id`` (Codex names every Responses input
+    item anew in each session) is left out: the engine renders none, so two sessions
+    whose items differ only in their ids share their blocks as they share tokens."""
     for message in messages:
         content: object = message.get("content") if isinstance(message, dict) else None
         if not isinstance(message, dict) or not isinstance(content, (str, list)):
-            yield _WHOLE + _canonical(message)
+            yield _WHOLE + _canonical(
+                _without(message, "id") if isinstance(message, dict) else message
+            )
             continue
-        yield Header(_HEADER + _canonical(_without(message, "content")))
+        yield Header(_HEADER + _canonical(_without(message, "content", "id")))
         if isinstance(content, str):
             yield from _text_blocks(content)
             continue
@@ -243,8 +247,8 @@ def _message_blocks(messages: Iterable[object]) -> Iterator[str]:
             yield from _text_blocks(text)
 
 
-def _without(value: dict[Any, Any], key: str) -> dict[Any, Any]:
-    return {k: v for k, v in value.items() if k != key}
+def _without(value: dict[Any, Any], *keys: str) -> dict[Any, Any]:
+    return {k: v for k, v in value.items() if k not in keys}
 
 
 def _text_blocks(text: str) -> Iterator[str]:

@@ -704,7 +704,7 @@ class ModelRuntime:
         stats.restore_ms += (time.perf_counter() - t0) * 1000
         if self.metrics is not None:
             self.metrics.kv_park(self.id, "restore", time.perf_counter() - t0)
-        await kv.touch(self.id, entry.session, entry.file)
+        kv.touch(self.id, entry.session, entry.file)
         return restored
 
     def verify_restore(self, restored: int, prompt: int | None, cached: int | None) -> None:

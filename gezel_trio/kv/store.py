@@ -30,6 +30,8 @@ not know are deleted, and entries whose file is gone are dropped.
 Reads come from an in-memory mirror of the index (the request path never
 waits on SQLite); writes run in a worker thread and update the mirror once
 they are on disk, so the mirror never claims a file the database does not.
+A touch (a restore's "used now") is the exception: it writes nothing itself, so that
+a restore's request waits on no disk; the time goes to disk with the next write.
 A write is not abandoned on cancellation (``trio.to_thread.run_sync`` waits
 for its thread), so the two cannot diverge; once an entry's row is deleted, its
 file is deleted too, cancelled or not (shielded).
@@ -308,6 +310,8 @@ class KvStore:
     stats: dict[str, KvModelStats] = field(default_factory=dict)
     orphans_deleted: int = 0
     _seq: int = 0
+    _used: dict[tuple[str, str], float] = field(default_factory=dict)
+    """(model, file) -> when it was last used: touches the index on disk lacks yet."""
 
     MAX_CALLERS = 100_000
     MAX_COPIES = 8
@@ -553,7 +557,7 @@ class KvStore:
         replaced = [e for e in others if _continues(entry.blocks, e.blocks)]
         kept = [e for e in others if e not in replaced]
         replaced += kept[self.MAX_COPIES - 1 :]  # most recently used first
-        await trio.to_thread.run_sync(self._put_sync, entry, replaced)
+        await trio.to_thread.run_sync(self._put_sync, entry, replaced, self._take_used())
         for e in replaced:
             self._forget(e)
         self._index(entry)
@@ -561,7 +565,7 @@ class KvStore:
         try:
             evicted = self._over_budget()
             if evicted:
-                await trio.to_thread.run_sync(self._delete_rows_sync, evicted)
+                await trio.to_thread.run_sync(self._delete_rows_sync, evicted, {})
                 for e in evicted:
                     self._forget(e)
                     self.model_stats(e.model).evicted += 1
@@ -570,23 +574,29 @@ class KvStore:
             await self._unlink(gone)
         return evicted
 
-    async def touch(self, model: str, session: str, file: str | None = None) -> None:
+    def touch(self, model: str, session: str, file: str | None = None) -> None:
         """Mark ``session``'s copy ``file`` on ``model`` (None: each of its copies) used
-        now (least-recently-used order)."""
-        entries = [e for e in self.copies(model, session) if file is None or e.file == file]
-        if not entries:
-            return
+        now (least-recently-used order). No I/O: a restore's request waits for nothing.
+        The mirror, which eviction reads, has it at once; the index on disk gets it with
+        its next write (a later save, drop or eviction), so a host that stops before one
+        keeps the earlier order of those copies, and nothing else."""
         now = time.time()
-        await trio.to_thread.run_sync(self._touch_sync, entries, now)
-        for e in entries:
-            e.used_at = now
+        for e in self.copies(model, session):
+            if file is None or e.file == file:
+                e.used_at = now
+                self._used[(e.model, e.file)] = now
+
+    def _take_used(self) -> dict[tuple[str, str], float]:
+        """The touches not yet written (see :meth:`touch`), handed to a write's thread."""
+        used, self._used = self._used, {}
+        return used
 
     async def drop(self, entries: Iterable[KvEntry]) -> None:
         """Remove ``entries`` from the index and delete their files."""
         doomed = [e for e in entries if self._indexed(e)]
         if not doomed:
             return
-        await trio.to_thread.run_sync(self._delete_rows_sync, doomed)
+        await trio.to_thread.run_sync(self._delete_rows_sync, doomed, self._take_used())
         for e in doomed:
             self._forget(e)
         await self._unlink(doomed)
@@ -652,9 +662,12 @@ class KvStore:
             self.model_stats(e.model).evicted += 1
         self._unlink_sync(evicted)
 
-    def _put_sync(self, entry: KvEntry, replaced: list[KvEntry]) -> None:
+    def _put_sync(
+        self, entry: KvEntry, replaced: list[KvEntry], used: dict[tuple[str, str], float]
+    ) -> None:
         with self._connect() as conn:
             conn.execute("BEGIN")
+            self._write_used(conn, used)
             conn.execute(
                 f"INSERT OR REPLACE INTO parked ({_COLUMNS}) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -675,16 +688,19 @@ class KvStore:
             self._delete_rows(conn, replaced)
             conn.execute("COMMIT")
 
-    def _touch_sync(self, entries: list[KvEntry], now: float) -> None:
-        with self._connect() as conn:
-            conn.executemany(
-                "UPDATE parked SET used_at = ? WHERE model = ? AND file = ?",
-                [(now, e.model, e.file) for e in entries],
-            )
+    @staticmethod
+    def _write_used(conn: sqlite3.Connection, used: dict[tuple[str, str], float]) -> None:
+        conn.executemany(
+            "UPDATE parked SET used_at = ? WHERE model = ? AND file = ?",
+            [(at, model, file) for (model, file), at in used.items()],
+        )
 
-    def _delete_rows_sync(self, entries: list[KvEntry]) -> None:
+    def _delete_rows_sync(self, entries: list[KvEntry], used: dict[tuple[str, str], float]) -> None:
         with self._connect() as conn:
+            conn.execute("BEGIN")
+            self._write_used(conn, used)
             self._delete_rows(conn, entries)
+            conn.execute("COMMIT")
 
     @staticmethod
     def _delete_rows(conn: sqlite3.Connection, entries: list[KvEntry]) -> None:
