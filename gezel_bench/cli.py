@@ -232,7 +232,9 @@ def _invariants(report: dict[str, Any], *, keyless: bool = False) -> list[str]:
     """What the replay broke. Keyless, every request is one owner's (the caller's), so
     reuse across the trace's sessions is allowed and not counted; sessions that share a
     key (``:root-key``) are one owner, so reuse between them is allowed too. Reuse across
-    owners and callers (the leak probes) never is, through a gezel target."""
+    callers (the second key's leak probes) never is, through a gezel target; reuse by the
+    fresh-session probes of the same caller is allowed where the host shares a prefix
+    within a caller (``[scheduler] share_prefix_within_caller``, on by default)."""
     broken = []
     for t in report["targets"]:
         m = t.get("metrics")
@@ -251,10 +253,13 @@ def _invariants(report: dict[str, Any], *, keyless: bool = False) -> list[str]:
             broken.append(f"{name}: {m['cross_session_reuse']} cross-session tokens")
         if keyed and m.get("cross_owner_reuse"):
             broken.append(f"{name}: {m['cross_owner_reuse']} cross-owner tokens")
+        shares = bool(t.get("description", {}).get("shares_within_caller"))
         for key, what in (
             ("cross_owner_probe_tokens", "cross-owner"),
             ("cross_caller_tokens", "cross-caller"),
         ):
+            if key == "cross_owner_probe_tokens" and shares:
+                continue
             if m.get(key):
                 broken.append(f"{name}: {m[key]} {what} tokens to the leak probes")
     return broken
@@ -295,6 +300,9 @@ async def _replay_endpoint(
         ok = isinstance(replicas, dict) and replicas
         endpoint.description["host_replicas"] = replicas if ok else None
         endpoint.description["host_handoffs"] = handoff_counters(status)
+        scheduler = status.get("config", {}).get("scheduler", {})
+        shares = isinstance(scheduler, dict) and scheduler.get("share_prefix_within_caller")
+        endpoint.description["shares_within_caller"] = bool(shares)
 
     result = await run_replay(
         trace,

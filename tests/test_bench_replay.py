@@ -863,3 +863,27 @@ def test_run_all_runs_every_benchmark_script() -> None:
     assert scripts <= modules, scripts - modules
     for entry in run_all.BENCHES:  # each has a smoke form for --quick
         assert entry.quick and entry.full
+
+
+def test_check_allows_a_fresh_session_of_the_caller_where_the_host_shares_its_prefix() -> None:
+    """A fresh session of the replay's caller may start from that caller's prefix where
+    the host shares within a caller (issue 37); a second API key's probe never may."""
+    from gezel_bench.cli import _invariants
+
+    def report(shares: bool, owner: int, caller: int) -> dict[str, Any]:
+        metrics = {
+            "failed": 0,
+            "prompt_token_mismatch": 0,
+            "cross_session_reuse": 0,
+            "cross_owner_reuse": 0,
+            "cross_owner_probe_tokens": owner,
+            "cross_caller_tokens": caller,
+        }
+        description = {"kind": "gezel", "shares_within_caller": shares}
+        return {"targets": [{"name": "gezel", "metrics": metrics, "description": description}]}
+
+    assert _invariants(report(True, 255, 0)) == []
+    assert _invariants(report(False, 255, 0)) == [
+        "gezel: 255 cross-owner tokens to the leak probes"
+    ]
+    assert _invariants(report(True, 0, 3)) == ["gezel: 3 cross-caller tokens to the leak probes"]
