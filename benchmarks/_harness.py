@@ -224,6 +224,40 @@ def floor_process(
         _stop(proc)
 
 
+@contextmanager
+def logged_process(
+    argv: Sequence[str],
+    log: Path,
+    health_url: str,
+    env: dict[str, str] | None = None,
+    *,
+    within: float = 180.0,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Start ``argv`` (its output to ``log``, in a session of its own), yield it once
+    ``health_url`` answers 200, and stop it on the way out. Exits with the log's tail
+    when the process dies first or does not answer within ``within`` seconds."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            list(argv), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + within
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"{argv[0]} exited: {log_tail(log, 40)}")
+            try:
+                if httpx.get(health_url, timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{argv[0]} did not answer within {within:g} s: see {log}")
+            time.sleep(0.2)
+        yield proc
+    finally:
+        _stop(proc)
+
+
 def _healthy(base: str, proc: subprocess.Popen[bytes], *, within: float) -> bool:
     """Whether ``base + "/health"`` answers 200 within ``within`` seconds, while ``proc``
     runs (False as soon as it has exited)."""

