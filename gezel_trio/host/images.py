@@ -82,6 +82,7 @@ async def render(
             wait_s = grant.queue_wait_s
             with runtime.watching(on_progress or _ignore):
                 result = await run_job(runtime, job)
+            await runtime.measure_footprint(host.ledger)
         runtime.renders += 1
         host.metrics.images_done(label, len(result.images))
         status = 200
