@@ -9,6 +9,7 @@ import base64
 import struct
 
 import pytest
+import trio
 
 from gezel_trio.api.image_data import decode_b64_image, image_size, invert_png_mask
 from gezel_trio.api.images_edits_translate import edit_answer, edit_request
@@ -444,3 +445,20 @@ def test_job_table_is_bounded() -> None:
         table.get("c", ids[-4], now=10)
     with pytest.raises(JobNotFound):  # and no more of them than max_jobs
         table.get("c", ids[0], now=10)
+
+
+async def test_cancelling_a_job_cancels_its_running_task() -> None:
+    """The table owns each running job's scope: a cancel ends the job's task, and a
+    finished job's cancel touches nothing."""
+    table = ImageJobs(max_jobs=4, max_pending=2, keep_s=10)
+    job = table.submit("c", kind="img_gen", model="m", now=0, unix_now=0)
+    with table.running(job) as scope:
+        assert table.cancel(job, now=1, unix_now=1)
+        await trio.lowlevel.checkpoint()
+        raise AssertionError("the job's task ran on after its cancel")
+    assert scope.cancelled_caught and job.status == "cancelled"
+    done = table.submit("c", kind="img_gen", model="m", now=2, unix_now=2)
+    table.fail(done, "generation_failed", "boom", now=2, unix_now=2)
+    with table.running(done) as scope:
+        assert not table.cancel(done, now=3, unix_now=3)
+    assert not scope.cancel_called and done.status == "failed"
