@@ -9,6 +9,7 @@ import base64
 import struct
 
 import pytest
+import trio
 
 from gezel_trio.api.image_data import decode_b64_image, image_size, invert_png_mask
 from gezel_trio.api.images_edits_translate import edit_answer, edit_request
@@ -29,8 +30,9 @@ from gezel_trio.api.sdapi_translate import (
     upscalers_body,
 )
 from gezel_trio.api.sdcpp_translate import job_body, native_request, submitted_body
-from gezel_trio.errors import BadRequest, FieldError, QueueFull
+from gezel_trio.errors import BadRequest, EngineFailed, FieldError, QueueFull
 from gezel_trio.host.image_jobs import ImageJobs, JobExpired, JobNotFound
+from gezel_trio.host.images import job_result
 from gezel_trio.images.job import ImageProgress, ImageResult
 
 from ._png import grey_pixels, make_png
@@ -444,3 +446,57 @@ def test_job_table_is_bounded() -> None:
         table.get("c", ids[-4], now=10)
     with pytest.raises(JobNotFound):  # and no more of them than max_jobs
         table.get("c", ids[0], now=10)
+
+
+async def test_cancelling_a_job_cancels_its_running_task() -> None:
+    """The table owns each running job's scope: a cancel ends the job's task, and a
+    finished job's cancel touches nothing."""
+    table = ImageJobs(max_jobs=4, max_pending=2, keep_s=10)
+    job = table.submit("c", kind="img_gen", model="m", now=0, unix_now=0)
+    with table.running(job) as scope:
+        assert table.cancel(job, now=1, unix_now=1)
+        await trio.lowlevel.checkpoint()
+        raise AssertionError("the job's task ran on after its cancel")
+    assert scope.cancelled_caught and job.status == "cancelled"
+    done = table.submit("c", kind="img_gen", model="m", now=2, unix_now=2)
+    table.fail(done, "generation_failed", "boom", now=2, unix_now=2)
+    with table.running(done) as scope:
+        assert not table.cancel(done, now=3, unix_now=3)
+    assert not scope.cancel_called and done.status == "failed"
+
+
+def test_a_finished_jobs_result_reads_as_sd_server_wrote_it_image_and_video() -> None:
+    """sd-server's completed job (async_jobs.cpp make_async_job_json): an image job's
+    ``images``, a video job's one ``b64_json`` with its MIME type, fps and frame count.
+    The host's ``/sdcpp/v1/jobs/{id}`` gives either back in the same shape. (The demo
+    model renders no video: this is the only test of the video path.)"""
+    video = {
+        "output_format": "webm",
+        "mime_type": "video/webm",
+        "fps": 16,
+        "frame_count": 33,
+        "b64_json": "GkXfo0AgQoaBAUL3gQFC8oEE",
+    }
+    images = {
+        "output_format": "png",
+        "images": [{"index": 1, "b64_json": "B"}, {"index": 0, "b64_json": "A"}],
+    }
+    table = ImageJobs(max_jobs=4, max_pending=2, keep_s=10)
+    for kind, engine_result in (("vid_gen", video), ("img_gen", images)):
+        answer = {"id": "job_1", "kind": kind, "status": "completed", "result": engine_result}
+        result = job_result(answer, 1.5)
+        record = table.submit("c", kind=kind, model="m", now=0, unix_now=100)  # type: ignore[arg-type]
+        table.complete(record, result, now=1, unix_now=101)
+        shown = job_body(table, record)["result"]
+        if kind == "vid_gen":
+            assert (result.media_b64, result.images) == (video["b64_json"], ())
+            assert (result.mime_type, result.fps, result.frame_count) == ("video/webm", 16, 33)
+            assert shown == video
+        else:
+            assert result.images == ("A", "B") and result.media_b64 is None
+            assert shown == {
+                "output_format": "png",
+                "images": [{"index": 0, "b64_json": "A"}, {"index": 1, "b64_json": "B"}],
+            }
+    with pytest.raises(EngineFailed):
+        job_result({"status": "completed", "result": {"output_format": "webm"}}, 1.0)

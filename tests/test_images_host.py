@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import psutil
 import pytest
 import trio
 
@@ -24,6 +25,7 @@ from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.demo_image_model import DemoImageModel, demo_image_model_path
 from gezel_trio.errors import BadRequest, UnknownModel
+from gezel_trio.host.image_runtime import ImageRuntime
 from gezel_trio.images.job import ImageJob, ImageProgress
 
 from .conftest import make_config, running
@@ -387,3 +389,40 @@ async def test_render_progress_refusals_and_a_crash_restart(
             assert any("idle for 0.5s" in line for line in img.engine.log.tail(20))
             result = await host.render("img", job, caller="test")  # started on demand again
             assert len(result.images) == 1 and img.engine.starts == 3
+
+
+async def test_the_ledger_holds_what_sd_server_measures_after_a_render(
+    image_model: DemoImageModel,
+    sd_server_binary: EngineBinary,
+    state_dir: Path,
+) -> None:
+    """sd-server's bytes are estimated from its files when it starts, then replaced by its
+    process's measured resident memory once it has rendered; status shows both."""
+    cfg = make_config(
+        [image_config(image_model)],
+        state_dir=state_dir,
+        engine={"sd_server": str(sd_server_binary.path)},
+    )
+    with trio.fail_after(240):
+        async with running(cfg) as (host, http):
+            img = host.models["img"]
+            assert isinstance(img, ImageRuntime)
+            r = await http.post("/v1/images/generations", json=_render_body(STEPS))
+            assert r.status_code == 200, r.text
+            assert img.engine.pid is not None
+            rss = psutil.Process(img.engine.pid).memory_info().rss  # the engine's truth, now
+            snapshot = await host.ledger.snapshot()
+            (held,) = [h for d in snapshot.devices.values() for h in d.holders if h.model == "img"]
+            assert img.measured_bytes is not None
+            assert held.nbytes == img.measured_bytes  # never below what was measured
+            assert abs(held.nbytes - rss) <= max(rss // 10, 16 << 20), (held.nbytes, rss)
+            status = (await http.get("/api/status")).json()
+            (row,) = [e for e in status["engines"] if e["name"] == "img"]
+            plan = row["plan"]
+            assert plan["measured_bytes"] == held.nbytes
+            assert plan["total_bytes"] == held.nbytes
+            assert plan["estimated_bytes"] != held.nbytes  # the files' sizes, as first held
+            print(
+                f"sd-server: estimated {plan['estimated_bytes'] / 2**20:.0f} MiB, "
+                f"measured {held.nbytes / 2**20:.0f} MiB (resident now {rss / 2**20:.0f} MiB)"
+            )

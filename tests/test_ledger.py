@@ -55,6 +55,24 @@ async def test_reserve_release_and_snapshot(db: Path) -> None:
         assert (stats.admitted, stats.released, stats.held) == (1, 1, 0)
 
 
+async def test_resize_replaces_an_estimate_by_a_measurement(db: Path) -> None:
+    """A measured footprint replaces the estimate in the same row: others see it, a
+    later reservation is admitted against it, and scope exit releases it."""
+    async with open_ledger(db, capacities=CAPS) as ledger:
+        async with ledger.reservation("gpu:0", 8 * GIB, owner="img", model="img") as r:
+            with pytest.raises(NoCapacity):
+                await ledger.reserve("gpu:0", 4 * GIB, owner="b", model="b")
+            measured = await ledger.resize(r, 1 * GIB)
+            assert (measured.id, measured.nbytes) == (r.id, 1 * GIB)
+            assert await ledger.reserved_bytes("gpu:0") == 1 * GIB
+            assert ledger.statistics().held_bytes == 1 * GIB
+            async with ledger.reservation("gpu:0", 4 * GIB, owner="b", model="b"):
+                assert await ledger.reserved_bytes("gpu:0") == 5 * GIB
+        assert await ledger.reserved_bytes("gpu:0") == 0
+        assert await ledger.resize(r, 2 * GIB) == r  # released: stays released
+        assert await ledger.reserved_bytes("gpu:0") == 0
+
+
 async def test_two_instances_share_the_file_and_deny_with_reasons(db: Path) -> None:
     async with (
         open_ledger(db, capacities=CAPS) as one,

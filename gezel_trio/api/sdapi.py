@@ -14,7 +14,6 @@ image model serves. Errors are sd-server's ``{"error": "..."}``.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Final
 
@@ -44,24 +43,14 @@ bp = Blueprint("sdapi", __name__)
 
 MAX_CHECKPOINTS: Final = 1024
 
-_CHECKPOINTS: Final = "GEZEL_SDAPI_CHECKPOINTS"
-
 
 def _host() -> Host:
     return current_exchange().host
 
 
-def _checkpoints() -> OrderedDict[str, str]:
-    """caller -> the image model id it chose (kept on the host's app, bounded)."""
-    from quart import current_app
-
-    table: OrderedDict[str, str] = current_app.config.setdefault(_CHECKPOINTS, OrderedDict())
-    return table
-
-
 def _checkpoint(host: Host) -> str | None:
     """The caller's current checkpoint, when it still names an image model."""
-    chosen = _checkpoints().get(request_caller())
+    chosen = host.image_checkpoints.get(request_caller())
     if chosen is not None and any(rt.id == chosen for rt in image_models(host)):
         return chosen
     models = image_models(host)
@@ -120,7 +109,7 @@ async def set_options() -> Response:
         if not isinstance(chosen, str) or not chosen:
             raise FieldError("sd_model_checkpoint", "expected the title of an image model")
         model = image_model(host, chosen)
-        table = _checkpoints()
+        table = host.image_checkpoints
         table[request_caller()] = model
         table.move_to_end(request_caller())
         while len(table) > MAX_CHECKPOINTS:

@@ -6,12 +6,12 @@ id and ``poll_url``), ``GET /sdcpp/v1/jobs/{id}`` (poll: status, queue position,
 
 The jobs are the host's, not the engine's: each one runs ``Host.render`` as a task of
 the host's nursery (so it holds its grant and lease like any render, and the engine
-started, swapped or restarted under it is the host's business), tracked in one
-bounded :class:`~gezel_trio.host.image_jobs.ImageJobs` table. A job is visible only to
-the caller that submitted it. Cancelling it cancels its task, which cancels the render
-whether it is queued or generating (sd-server itself cannot cancel a generating job:
-the host stops its engine, which restarts on the next request). Errors are sd-server's
-``{"error": "..."}``.
+started, swapped or restarted under it is the host's business), tracked in the host's
+bounded :class:`~gezel_trio.host.image_jobs.ImageJobs` table (``Host.image_jobs``). A
+job is visible only to the caller that submitted it. Cancelling it cancels its task,
+which cancels the render whether it is queued or generating (sd-server itself cannot
+cancel a generating job: the host stops its engine, which restarts on the next
+request). Errors are sd-server's ``{"error": "..."}``.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Final, Literal
+from typing import Literal
 
 import trio
-from quart import Blueprint, Response, current_app
+from quart import Blueprint, Response
 
 from ..errors import EngineFailed, FieldError, GezelError
 from ..host import Host
@@ -35,36 +35,20 @@ from .rendering import image_model
 from .sdcpp_translate import job_body, native_request, submitted_body
 from .validation import read_json_object
 
-__all__ = ["JOBS_ATTR", "bp", "image_jobs"]
+__all__ = ["bp"]
 
 log = logging.getLogger("gezel_trio.api.images")
 
 bp = Blueprint("sdcpp", __name__)
-
-JOBS_ATTR: Final = "GEZEL_IMAGE_JOBS"
-_SCOPES: Final = "GEZEL_IMAGE_JOB_SCOPES"
 
 
 def _host() -> Host:
     return current_exchange().host
 
 
-def image_jobs() -> ImageJobs:
-    """The app's job table (made on first use)."""
-    table: ImageJobs = current_app.config.setdefault(JOBS_ATTR, ImageJobs())
-    return table
-
-
-def _scopes() -> dict[str, trio.CancelScope]:
-    """Each running job's cancel scope, by job id (removed when its task ends)."""
-    scopes: dict[str, trio.CancelScope] = current_app.config.setdefault(_SCOPES, {})
-    return scopes
-
-
 async def _run_job(
     host: Host,
     table: ImageJobs,
-    scopes: dict[str, trio.CancelScope],
     record: ImageJobRecord,
     job: ImageJob,
     caller: str,
@@ -78,8 +62,7 @@ async def _run_job(
     def on_progress(progress: ImageProgress) -> None:
         table.progress(record, progress.step, progress.steps, unix_now=int(time.time()))
 
-    with trio.CancelScope() as scope:
-        scopes[record.id] = scope
+    with table.running(record) as scope:
         task_status.started()
         try:
             result = await host.render(
@@ -97,8 +80,6 @@ async def _run_job(
             table.fail(record, "internal_error", message, now=trio.current_time(), unix_now=_unix())
         else:
             table.complete(record, result, now=trio.current_time(), unix_now=_unix())
-        finally:
-            scopes.pop(record.id, None)
     if scope.cancelled_caught:
         table.cancel(record, now=trio.current_time(), unix_now=_unix())
 
@@ -139,11 +120,11 @@ async def _submit(kind: Literal["img_gen", "vid_gen"]) -> Response:
                 f"the model {model!r} renders no video (its engine supports: "
                 f"{', '.join(modes) or 'nothing'}); name a video model such as a Wan one",
             )
-    table = image_jobs()
+    table = host.image_jobs
     caller = request_caller()
     record = table.submit(caller, kind=kind, model=model, now=trio.current_time(), unix_now=_unix())
     try:
-        await host.tasks.start(_run_job, host, table, _scopes(), record, translated.job, caller)
+        await host.tasks.start(_run_job, host, table, record, translated.job, caller)
     except RuntimeError:  # the host is shutting down
         table.fail(
             record,
@@ -169,7 +150,7 @@ async def vid_gen() -> Response:
 
 @bp.get("/sdcpp/v1/jobs/<job_id>")
 async def job(job_id: str) -> Response:
-    table = image_jobs()
+    table = _host().image_jobs
     record = table.get(request_caller(), job_id, now=trio.current_time())
     return json_response(job_body(table, record))
 
@@ -178,11 +159,7 @@ async def job(job_id: str) -> Response:
 async def cancel(job_id: str) -> Response:
     """A queued or generating job is cancelled (its render ends, releasing its grant
     and lease); a finished one is shown as it is."""
-    table = image_jobs()
+    table = _host().image_jobs
     record = table.get(request_caller(), job_id, now=trio.current_time())
-    if not record.finished:
-        table.cancel(record, now=trio.current_time(), unix_now=_unix())
-        scope = _scopes().get(record.id)
-        if scope is not None:
-            scope.cancel()
+    table.cancel(record, now=trio.current_time(), unix_now=_unix())
     return json_response(job_body(table, record))

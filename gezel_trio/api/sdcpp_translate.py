@@ -60,8 +60,11 @@ def _result(job: ImageJobRecord, result: ImageResult) -> dict[str, Any]:
     if job.kind == "vid_gen":
         return {
             "output_format": result.output_format,
-            "mime_type": _VIDEO_MIME.get(result.output_format, "application/octet-stream"),
-            "b64_json": result.images[0] if result.images else "",
+            "mime_type": result.mime_type
+            or _VIDEO_MIME.get(result.output_format, "application/octet-stream"),
+            "fps": result.fps,
+            "frame_count": result.frame_count,
+            "b64_json": result.media_b64 or "",
         }
     return {
         "output_format": result.output_format,

@@ -407,6 +407,14 @@ class DeviceLedger:
         finally:
             conn.close()
 
+    def _resize_sync(self, rowid: int, nbytes: int) -> bool:
+        conn = self._connect()
+        try:
+            cur = conn.execute("UPDATE reservations SET nbytes = ? WHERE id = ?", (nbytes, rowid))
+            return cur.rowcount > 0
+        finally:
+            conn.close()
+
     def _release_instance_sync(self) -> int:
         conn = self._connect()
         try:
@@ -490,6 +498,23 @@ class DeviceLedger:
         with trio.move_on_after(RELEASE_TIMEOUT, shield=True):
             await trio.to_thread.run_sync(self._release_sync, reservation.id)
             self._counters.released += 1
+
+    async def resize(self, reservation: Reservation, nbytes: int) -> Reservation:
+        """Hold ``nbytes`` instead of what ``reservation`` holds (a footprint measured
+        after it was estimated): what the process uses is a fact, so a larger figure is
+        recorded even past the device's budget. Returns the updated reservation (the
+        same row, released as before); one already released stays released.
+        Cancellation: the update runs to its end in its thread."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        if reservation.id not in self._counters.held:
+            return reservation
+        if not await trio.to_thread.run_sync(self._resize_sync, reservation.id, nbytes):
+            return reservation
+        resized = dataclasses.replace(reservation, nbytes=nbytes)
+        if reservation.id in self._counters.held:
+            self._counters.held[reservation.id] = resized
+        return resized
 
     @asynccontextmanager
     async def reservation(

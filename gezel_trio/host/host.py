@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import replace
@@ -70,6 +71,7 @@ from .activity import Activity
 from .calibration import CalibrationBook, Calibrator, calibrate, serve_calibration
 from .catalog import Catalog, wanted_models
 from .completion import CompletionService
+from .image_jobs import ImageJobs
 from .images import render
 from .metrics import Metrics
 from .placement import EngineResolver
@@ -133,6 +135,11 @@ class Host:
         """Recent requests and per-second queue and TTFT series (the dashboard's)."""
         self.completions = CompletionService(self)
         """How every completion runs on a slot (:mod:`.completion`)."""
+        self.image_jobs = ImageJobs()
+        """The async image jobs (``/sdcpp/v1/*``): each runs in :attr:`tasks`."""
+        self.image_checkpoints: OrderedDict[str, str] = OrderedDict()
+        """caller -> the image model it chose through ``/sdapi/v1/options`` (bounded by
+        the route)."""
         self.catalog = Catalog(
             config=config,
             models=self.models,

@@ -20,8 +20,12 @@ from __future__ import annotations
 import itertools
 import secrets
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import trio
 
 from ..errors import GezelError, QueueFull
 from ..images.job import ImageResult
@@ -81,6 +85,8 @@ class ImageJobs:
         self._jobs: OrderedDict[str, ImageJobRecord] = OrderedDict()
         self._expired: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._serial = itertools.count(1)
+        self._scopes: dict[str, trio.CancelScope] = {}
+        """Each running job's cancel scope, by job id (while its task runs)."""
 
     def __repr__(self) -> str:
         return f"<ImageJobs {self.statistics()}>"
@@ -176,12 +182,26 @@ class ImageJobs:
         self._end(job, "failed", now, unix_now)
         job.error = (code, message)
 
+    @contextmanager
+    def running(self, job: ImageJobRecord) -> Iterator[trio.CancelScope]:
+        """The scope ``job``'s task runs in: :meth:`cancel` cancels it."""
+        with trio.CancelScope() as scope:
+            self._scopes[job.id] = scope
+            try:
+                yield scope
+            finally:
+                self._scopes.pop(job.id, None)
+
     def cancel(self, job: ImageJobRecord, *, now: float, unix_now: int) -> bool:
-        """Mark a queued or generating job cancelled; False when it had finished."""
+        """Mark a queued or generating job cancelled and cancel its task's scope (its
+        render ends); False when it had finished."""
         if job.finished:
             return False
         self._end(job, "cancelled", now, unix_now)
         job.error = ("cancelled", "job cancelled by client")
+        scope = self._scopes.get(job.id)
+        if scope is not None:
+            scope.cancel()
         return True
 
     def _end(self, job: ImageJobRecord, status: JobStatus, now: float, unix_now: int) -> None:

@@ -4,7 +4,8 @@
 (opened with :data:`~gezel_trio.engine.kinds.SD_SERVER` by ``Catalog.open_model``): the
 same supervisor life cycle (started on demand, health-checked, restarted with backoff,
 released when idle, stopped gracefully), the same arbiter (residency in its slot class,
-a lease held by each job) and the same ledger (a reservation estimated from its files).
+a lease held by each job) and the same ledger (a reservation estimated from its files,
+then replaced by the process's measured memory once it has rendered).
 What differs is what an image engine is: one slot (it renders one job at a time), no KV
 (nothing to erase, park or restore, no context), and a render's progress read from its
 output (:mod:`gezel_trio.images.progress`).
@@ -17,8 +18,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 import trio
 
+from ..gpu.ledger import CPU_DEVICE, DeviceLedger
 from ..images.job import ImageProgress
 from ..images.progress import last_progress
 from ..scheduler.jobs import SlotMeasurement
@@ -36,6 +39,11 @@ class ImageRuntime(ModelRuntime):
     """The running job's sampling progress (None: no job runs, or it has not sampled)."""
     renders: int = 0
     """Jobs that completed on this model."""
+    measured_bytes: int | None = None
+    """The most memory the running engine process was measured to use (None: not
+    measured since it started, or it runs on a GPU, whose per-process memory the
+    probe does not read)."""
+    _measured_pid: int | None = field(default=None, repr=False)
     _listener: Callable[[ImageProgress], None] | None = field(default=None, repr=False)
     _output: trio.Event = field(default_factory=trio.Event, repr=False)
 
@@ -74,6 +82,37 @@ class ImageRuntime(ModelRuntime):
             await self._output.wait()
             return True
         return False
+
+    async def measure_footprint(self, ledger: DeviceLedger) -> None:
+        """Replace the engine's ledger reservation (estimated from its files) by the
+        most resident memory its process has been measured to use, after a render, when
+        it runs on the CPU: never below what was measured. The plan in status shows the
+        estimate and the measurement. Does nothing when no process runs or it runs on a
+        GPU. Cancellation: the ledger's update runs to its end in its thread."""
+        held, pid = self.setup.reservation, self.engine.pid
+        if held is None or pid is None or held.device != CPU_DEVICE:
+            return
+        try:
+            rss = await trio.to_thread.run_sync(lambda: psutil.Process(pid).memory_info().rss)
+        except psutil.Error:
+            return  # it exited meanwhile: its reservation goes with it
+        if self._measured_pid != pid:
+            self._measured_pid, self.measured_bytes = pid, None
+        measured = max(rss, self.measured_bytes or 0)
+        self.measured_bytes = measured
+        if self.setup.plan is not None:
+            self.setup.plan.setdefault("estimated_bytes", held.nbytes)
+            self.setup.plan["measured_bytes"] = measured
+        if held.nbytes != measured:
+            resized = await ledger.resize(held, measured)
+            if self.setup.reservation is held:
+                self.setup.reservation = resized
+            if self.setup.plan is not None:
+                self.setup.plan["total_bytes"] = resized.nbytes
+                self.setup.plan["reasons"] = [
+                    "estimated from the model files' sizes",
+                    "then measured from the process's resident memory",
+                ]
 
     # ------------------------------------------------------------------ EngineLane
 

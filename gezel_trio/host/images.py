@@ -30,7 +30,7 @@ from .image_runtime import ImageRuntime
 if TYPE_CHECKING:
     from .host import Host
 
-__all__ = ["POLL_S", "STOP_WITHIN_S", "render"]
+__all__ = ["POLL_S", "STOP_WITHIN_S", "job_result", "render"]
 
 log = logging.getLogger("gezel_trio.host.images")
 request_log = logging.getLogger("gezel_trio.requests")
@@ -82,6 +82,7 @@ async def render(
             wait_s = grant.queue_wait_s
             with runtime.watching(on_progress or _ignore):
                 result = await run_job(runtime, job)
+            await runtime.measure_footprint(host.ledger)
         runtime.renders += 1
         host.metrics.images_done(label, len(result.images))
         status = 200
@@ -129,7 +130,7 @@ async def run_job(runtime: ImageRuntime, job: ImageJob) -> ImageResult:
             answer = await client.image_job(job_id)
             state = str(answer["status"])
             if state == "completed":
-                return _result(answer, time.perf_counter() - t0)
+                return job_result(answer, time.perf_counter() - t0)
             if state in ("failed", "cancelled"):
                 raise EngineFailed(f"the image engine's job {state}: {_job_error(answer)}")
             wrote = await runtime.wait_output(delay)
@@ -160,19 +161,39 @@ async def _abandon(runtime: ImageRuntime, job_id: str, state: str) -> None:
     await runtime.engine.stop()
 
 
-def _result(answer: dict[str, Any], seconds: float) -> ImageResult:
+def job_result(answer: dict[str, Any], seconds: float) -> ImageResult:
+    """A completed job's result, in sd-server's shapes: ``images`` for an image job, one
+    ``b64_json`` (with ``mime_type``, ``fps``, ``frame_count``) for a video job."""
     body = answer.get("result")
-    if not isinstance(body, dict) or not isinstance(body.get("images"), list):
-        raise EngineFailed("the image engine completed a job without its images")
-    images = sorted(
-        (i for i in body["images"] if isinstance(i, dict) and isinstance(i.get("b64_json"), str)),
-        key=lambda i: i.get("index", 0),
-    )
-    return ImageResult(
-        output_format=str(body.get("output_format") or "png"),
-        images=tuple(i["b64_json"] for i in images),
-        seconds=seconds,
-    )
+    if not isinstance(body, dict):
+        raise EngineFailed("the image engine completed a job without its result")
+    output_format = str(body.get("output_format") or "png")
+    if isinstance(body.get("images"), list):
+        images = sorted(
+            (
+                i
+                for i in body["images"]
+                if isinstance(i, dict) and isinstance(i.get("b64_json"), str)
+            ),
+            key=lambda i: i.get("index", 0),
+        )
+        return ImageResult(
+            output_format=output_format,
+            images=tuple(i["b64_json"] for i in images),
+            seconds=seconds,
+        )
+    if isinstance(body.get("b64_json"), str):
+        mime_type, fps, frames = body.get("mime_type"), body.get("fps"), body.get("frame_count")
+        return ImageResult(
+            output_format=output_format,
+            images=(),
+            seconds=seconds,
+            media_b64=body["b64_json"],
+            mime_type=mime_type if isinstance(mime_type, str) else None,
+            fps=fps if isinstance(fps, int) else None,
+            frame_count=frames if isinstance(frames, int) else None,
+        )
+    raise EngineFailed("the image engine completed a job without its images or video")
 
 
 def _job_error(answer: dict[str, Any]) -> str:

@@ -170,7 +170,9 @@ def image_reservation(
     setup: ModelSetup, *, ledger: DeviceLedger, device: Callable[[], str]
 ) -> Callable[[], AbstractAsyncContextManager[object]]:
     """Hold the image engine's bytes on ``device()`` while its process runs: its
-    footprint estimated from its files (:func:`~gezel_trio.engine.sd_argv.sd_footprint`).
+    footprint estimated from its files (:func:`~gezel_trio.engine.sd_argv.sd_footprint`),
+    kept in ``setup.reservation`` so that the runtime replaces it by what the process
+    measures (:meth:`~gezel_trio.host.image_runtime.ImageRuntime.measure_footprint`).
     Raises NoCapacity (bytes needed, free and held) when they do not fit; cancellation
     holds nothing."""
 
@@ -186,7 +188,11 @@ def image_reservation(
             "reasons": ["estimated from the model files' sizes"],
         }
         async with ledger.reservation(device_id, nbytes, owner=model.id, model=model.id) as held:
-            yield held
+            setup.reservation = held
+            try:
+                yield held
+            finally:
+                setup.reservation = None
 
     return reserve
 

@@ -34,6 +34,7 @@ from ..engine.planner import AUTO_PARALLEL, DEFAULT_CTX_PER_SLOT, EnginePlan
 from ..engine.supervisor import Engine, EngineState
 from ..errors import EngineFailed, FieldError, GezelError
 from ..gpu.arbiter import GpuArbiter
+from ..gpu.ledger import Reservation
 from ..gpu.placement import Placement
 from ..kv.prefix import Prefix
 from ..kv.sessions import session_hash
@@ -74,6 +75,9 @@ class ModelSetup:
     """``engine.extra_args``: the flags every engine gets, before the model's own."""
     planned: EnginePlan | None = None
     """The last plan made for this ``config`` (None: none yet, or the config changed)."""
+    reservation: Reservation | None = None
+    """An image engine's ledger reservation while its process runs (None: none runs),
+    so its estimate can be replaced by what the process measures."""
 
     def replace_config(self, config: ModelConfig, gguf: GGUFInfo | None) -> None:
         """New settings (a reconfigure): the plan made for the old ones is forgotten."""

@@ -29,8 +29,15 @@ class ImageProgress:
 
 @dataclass(frozen=True)
 class ImageResult:
-    """The images of a finished job, base64 each, in order."""
+    """The images of a finished job, base64 each, in order; or, for a video job
+    (``vid_gen``), its one container file in ``media_b64`` (and no images)."""
 
-    output_format: str  # "png" | "jpeg" | "webp"
+    output_format: str  # "png" | "jpeg" | "webp"; a video's: "webm" | "avi" | ...
     images: tuple[str, ...]
     seconds: float  # engine time of the job: submit to completed
+    media_b64: str | None = None
+    """A video job's file, base64 (None: an image job)."""
+    mime_type: str | None = None
+    """The video's MIME type, as the engine said (None: not said)."""
+    fps: int | None = None
+    frame_count: int | None = None
