@@ -368,3 +368,109 @@ def _keep_shots(shots: Path, keep: Path) -> None:
     keep.mkdir(parents=True, exist_ok=True)
     shutil.copy(shots / "first-paint.png", keep / "dashboard-first-paint.png")
     shutil.copy(shots / "after-5s.png", keep / "dashboard-5s.png")
+
+
+def _watch_a_render(
+    url: str, paths: tuple[str, str], start_render: Any, shots: Path
+) -> dict[str, Any]:
+    """Run in a worker thread: open the page, wait for the image model's card to show a
+    free job, start a render (``start_render``, through the test's event loop), and read
+    the card while it renders and once it is done."""
+    import re
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    out: dict[str, Any] = {}
+    profile = Path(tempfile.mkdtemp(prefix="gezel-chromium-"))
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = paths[0]
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        "--window-size=1366,900",
+        f"--user-data-dir={profile}",
+    ):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(executable_path=paths[1]), options=opts)
+    card = '.card[data-model="img"]'
+
+    def text(css: str) -> str:  # in one script: the page re-renders its cards every second
+        script = "const e = document.querySelector(arguments[0]); return e ? e.innerText : '';"
+        return str(driver.execute_script(script, css))
+
+    try:
+        driver.set_page_load_timeout(20)
+        driver.get(url)
+        wait = WebDriverWait(driver, 120, poll_frequency=0.1)
+        wait.until(lambda d: "job: free" in text(f"{card} .slots"))
+        out["plan_before"] = text(f"{card} .plan")
+        trio.from_thread.run(start_render)
+        wait.until(lambda d: re.search(r"rendering, step [1-9]\d*/100", text(f"{card} .slots")))
+        out["rendering"] = text(f"{card} .slots")
+        driver.save_screenshot(str(shots / "render.png"))
+        wait.until(
+            lambda d: "job: free" in text(f"{card} .slots") and "measured" in text(f"{card} .plan")
+        )
+        out["plan_after"] = text(f"{card} .plan")
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+    return out
+
+
+async def test_the_page_shows_a_render_its_lease_and_its_measured_memory(
+    models_dir: Path,
+    sd_server_binary: EngineBinary,
+    state_dir: Path,
+    browser_paths: tuple[str, str],
+    tmp_path: Path,
+) -> None:
+    """An image model's card in a real Chromium: its job's sampling step and the GPU lease
+    it holds while it renders, then a free job and the memory measured from sd-server
+    in place of the files' estimate."""
+    import re
+
+    from benchmarks._raw_client import post_json
+    from gezel_trio.engine.demo_image_model import demo_image_model_path
+
+    model = demo_image_model_path(cache_dir=models_dir)
+    image = ModelConfig(
+        id="img",
+        kind="image",
+        files={
+            "diffusion_model": str(model.diffusion_model),
+            "llm": str(model.llm),
+            "taesd": str(model.vae),
+        },
+    )
+    cfg = make_config(
+        [image], state_dir=state_dir, engine={"sd_server": str(sd_server_binary.path)}
+    )
+    body = {"model": "img", "prompt": "a red apple", "size": "64x48", "steps": 100}
+    streams: list[trio.SocketStream] = []
+    with trio.fail_after(400):
+        async with running(cfg) as (_host, client):
+            base = str(client.base_url).rstrip("/")
+
+            async def start_render() -> None:
+                streams.append(await post_json(base, body, "/v1/images/generations"))
+
+            try:
+                out = await trio.to_thread.run_sync(
+                    _watch_a_render, base + "/", browser_paths, start_render, tmp_path
+                )
+            finally:
+                for stream in streams:
+                    await stream.aclose()
+    assert "measured" not in out["plan_before"]  # not started yet: nothing measured
+    assert re.search(r"rendering, step \d+/100 · holds the img lease", out["rendering"]), out
+    assert re.search(
+        r"[\d.]+ MiB measured \([\d.]+ MiB estimated from its files\)", out["plan_after"]
+    )
+    shot = tmp_path / "render.png"
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
