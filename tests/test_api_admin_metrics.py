@@ -266,6 +266,7 @@ def test_metrics_collector_reads_status_at_scrape_time() -> None:
             waiting_model_ids={"a": 2, "b": 1},
             running={"a": 1},
             erases={"ok": 4, "failed": 1},
+            parking={"restored": 3, "lent_within_caller": 2},
             slot_owners={"a": {0: "abc", 1: None}},
         ),
         engines=(
@@ -314,6 +315,8 @@ def test_metrics_collector_reads_status_at_scrape_time() -> None:
     assert v("gezel_queue_waiting", model="b") == 1
     assert v("gezel_jobs_running", model="a") == 1
     assert v("gezel_scheduler_erases_total", result="failed") == 1
+    assert v("gezel_scheduler_parking_total", event="lent_within_caller") == 2
+    assert v("gezel_scheduler_parking_total", event="restored") == 3
     assert v("gezel_slots_owned", model="a") == 1
     assert v("gezel_engine_state", model="b", state="failed") == 1
     assert v("gezel_engine_state", model="b", state="ready") == 0

@@ -319,6 +319,16 @@ def _scheduler_families(sched: SchedulerStats) -> Iterator[Metric]:
             ),
             sched.erases,
         )
+    if sched.parking:
+        yield _labelled(
+            CounterMetricFamily(
+                "gezel_scheduler_parking",
+                "KV parking and handoff events the scheduler counted (saved, restored, "
+                "handoffs, shared_within_caller, lent_within_caller, ...), by event.",
+                labels=["event"],
+            ),
+            sched.parking,
+        )
     if sched.pool:
         yield _labelled(
             CounterMetricFamily(
