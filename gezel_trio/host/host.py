@@ -64,6 +64,7 @@ from ..scheduler import (
     Scheduler,
     SchedulerSettings,
     SlotRequest,
+    SlotTable,
     open_scheduler,
 )
 from ..scheduler.replicas import KvPlace, MemberView, ReplicaRouter
@@ -309,19 +310,26 @@ class Host:
         )
         return self.models.get(route.member, runtime), route.hit
 
-    def _caller_blocks(self, place: KvPlace, *, caller: str) -> Prefix | None:
-        """What ``place`` (a member's slot) holds of ``caller``'s shared prefixes now,
-        from the member's slot table: its blocks, or None when the slot holds no KV of
-        an owner of ``caller`` that shares within it."""
+    def _slot_table_of(self, place: KvPlace) -> tuple[SlotTable, int] | None:
+        """The slot table of ``place``'s member and its slot, or None when the scheduler
+        does not run, serves no such member or has no such slot."""
         if self.scheduler is None or place.slot is None:
             return None
         try:
             table = self.scheduler.table(place.member)
         except KeyError:
             return None
-        if place.slot >= len(table):
+        return None if place.slot >= len(table) else (table, place.slot)
+
+    def _caller_blocks(self, place: KvPlace, *, caller: str) -> Prefix | None:
+        """What ``place`` (a member's slot) holds of ``caller``'s shared prefixes now,
+        from the member's slot table: its blocks, or None when the slot holds no KV of
+        an owner of ``caller`` that shares within it."""
+        found = self._slot_table_of(place)
+        if found is None:
             return None
-        entry = table.slots[place.slot]
+        table, slot = found
+        entry = table.slots[slot]
         if entry.content is not Content.OWNED or entry.caller != caller:
             return None
         return entry.blocks
@@ -337,17 +345,13 @@ class Host:
         table: its blocks, or None when the slot holds nothing of ``owner``'s. A slot a
         request is being sent to (content unknown while pinned) keeps what the index
         says: it is the owner's request that last recorded it, finishing."""
-        if self.scheduler is None or place.slot is None:
+        found = self._slot_table_of(place)
+        if found is None:
             return None
-        try:
-            table = self.scheduler.table(place.member)
-        except KeyError:
-            return None
-        if place.slot >= len(table):
-            return None
-        if table.owner(place.slot) == owner:
-            return table.blocks(place.slot)
-        if table.content(place.slot) is Content.UNKNOWN and table.pinned_to(place.slot):
+        table, slot = found
+        if table.owner(slot) == owner:
+            return table.blocks(slot)
+        if table.content(slot) is Content.UNKNOWN and table.pinned_to(slot):
             return router.index.blocks_of(place)
         return None
 
