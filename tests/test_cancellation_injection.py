@@ -21,6 +21,7 @@ import types
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -200,7 +201,9 @@ async def open_rig(tmp: Path, *, capacity: int = 16 * RESERVE_BYTES) -> AsyncIte
             )
         )
         rig = Rig(ledger, arbiter, scheduler, launcher, runtimes)
-        rig.shim = types.SimpleNamespace(scheduler=scheduler, arbiter=arbiter, metrics=Metrics())
+        shim = types.SimpleNamespace(scheduler=scheduler, arbiter=arbiter, metrics=Metrics())
+        shim._sharing = partial(Host._sharing, shim)  # callerless jobs: it shares nothing
+        rig.shim = shim
         yield rig
         # Stop the engines before the block cancels them: a cancelled supervisor waits
         # a second for its exit watcher (see the report), which adds up over hundreds of rigs.

@@ -154,3 +154,7 @@ def test_progress_is_read_from_sd_server_s_carriage_return_updates() -> None:
     assert last_progress(out) == ImageProgress(3, 8)
     assert last_progress(b"[INFO ] stable-diffusion.cpp:123 - sampling using Euler\n") is None
     assert last_progress(b"\r|==================| 8/8 - 1.01it/s\x1b[K\n") == ImageProgress(8, 8)
+    # the same bar while the engine loads tensors is no render's progress
+    loading = b"\r|==================================================| 196/196 - 212.54MB/s\x1b[K\n"
+    assert last_progress(loading) is None
+    assert last_progress(b"\r|=======| 196/196 - 1.02GB/s\x1b[K" + out) == ImageProgress(3, 8)

@@ -3,7 +3,8 @@
 sd-server prints ``\\r|=====>    | 2/4 - 1.23s/it`` on its stdout while it samples
 (``print_progress_line`` in its ``src/util.cpp``), each update overwriting the last with
 a carriage return and no newline until the last step. Its job API carries no progress,
-so this is where a render's progress comes from.
+so this is where a render's progress comes from. Loading tensors draws the same bar with
+a speed in MB/s or GB/s: that is not a render's progress.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from .job import ImageProgress
 
 __all__ = ["last_progress"]
 
-_PROGRESS = re.compile(rb"\|[^|\r\n]*\|\s*(\d+)/(\d+)\s+-\s")
+# a sampling step's speed is in s/it or it/s; the same bar with MB/s or GB/s is the
+# engine loading tensors (at start, and for a model part loaded on first use)
+_PROGRESS = re.compile(rb"\|[^|\r\n]*\|\s*(\d+)/(\d+)\s+-\s+[\d.]+(?:s/it|it/s)")
 
 
 def last_progress(chunk: bytes) -> ImageProgress | None:
