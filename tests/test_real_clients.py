@@ -122,6 +122,16 @@ class Run:
         turns = self.turns if turn is None else [self.turns[turn]]
         return [e for t in turns for e in t if e.method == "POST" and _is_model(e.path)]
 
+    def outgrown(self) -> bool:
+        """Whether a request was refused for being longer than the context: the 135M
+        model, asked for no output limit, sometimes talks until its slot is full, and the
+        next turn cannot fit (bare llama-server refuses it the same way)."""
+        return any(
+            e.status == 400 and b"exceed_context_size_error" in e.response
+            for t in self.turns
+            for e in t
+        )
+
     def turn2_cache(self) -> tuple[int, int]:
         """(cached, prompt) tokens summed over turn 2's requests: from the host's own
         activity rows on the host, from the engine's usage answers on the engine."""
@@ -327,19 +337,28 @@ async def _both(
     runs = []
     async with open_recording_proxy() as proxy:
         for backend, upstream in (("engine", engine_url), ("host", host_url)):
-            home, work = _home(tmp_path, f"{client}-{backend}")
-            env = setup(home, work, proxy.url)
-            run = await converse(
-                proxy,
-                backend=backend,
-                upstream=upstream,
-                host_url=host_url,
-                commands=commands,
-                env=env,
-                cwd=work,
-            )
+            for attempt in range(OUTGROWN_TRIES):
+                home, work = _home(tmp_path, f"{client}-{backend}-{attempt}")
+                env = setup(home, work, proxy.url)
+                run = await converse(
+                    proxy,
+                    backend=backend,
+                    upstream=upstream,
+                    host_url=host_url,
+                    commands=commands,
+                    env=env,
+                    cwd=work,
+                )
+                if not run.outgrown():
+                    break
+                print(f"{client} on {backend}: the model talked past its context; again")
             runs.append(run)
     return runs[0], runs[1]
+
+
+OUTGROWN_TRIES = 3
+"""Conversations run on a backend until one fits the model's context (see
+:meth:`Run.outgrown`); the last one is checked whatever it did."""
 
 
 def _answered(run: Run, client: str) -> str | None:
