@@ -37,17 +37,12 @@ def browser_paths() -> tuple[str, str]:
     return CHROMIUM, CHROMEDRIVER
 
 
-def _drive(url: str, paths: tuple[str, str], expect: dict[str, Any], shots: Path) -> dict[str, Any]:
-    """Run in a worker thread: open the dashboard, type the admin key, read it, press its
-    buttons, and take screenshots at a laptop's and a phone's width."""
+def _chrome(paths: tuple[str, str], profile: str | Path, *extra: str) -> Any:
+    """A headless Chromium (driven through chromedriver) with its own profile folder, at a
+    laptop's window size; ``extra`` flags are added to the common ones."""
     from selenium import webdriver
-    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions as ec
-    from selenium.webdriver.support.ui import WebDriverWait
 
-    profile = tempfile.mkdtemp(prefix="gezel-chromium-")
     opts = webdriver.ChromeOptions()
     opts.binary_location = paths[0]
     for arg in (
@@ -55,15 +50,32 @@ def _drive(url: str, paths: tuple[str, str], expect: dict[str, Any], shots: Path
         "--no-sandbox",
         "--disable-gpu",
         "--disable-dev-shm-usage",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
         "--no-first-run",
         "--window-size=1366,900",
+        *extra,
         f"--user-data-dir={profile}",
     ):
         opts.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(executable_path=paths[1]), options=opts)
+    return webdriver.Chrome(service=Service(executable_path=paths[1]), options=opts)
+
+
+def _drive(url: str, paths: tuple[str, str], expect: dict[str, Any], shots: Path) -> dict[str, Any]:
+    """Run in a worker thread: open the dashboard, type the admin key, read it, press its
+    buttons, and take screenshots at a laptop's and a phone's width."""
+    from selenium import webdriver
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    profile = tempfile.mkdtemp(prefix="gezel-chromium-")
+    driver = _chrome(
+        paths,
+        profile,
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+    )
     out: dict[str, Any] = {}
     model = expect["model"]
     card_css = f'.card[data-model="{model}"]'
@@ -246,8 +258,6 @@ def _chromium_cli(paths: tuple[str, str], profile: Path, *args: str) -> str:
 def _first_paint_and_after(url: str, paths: tuple[str, str], shots: Path) -> dict[str, Any]:
     """Run in a worker thread: the page's DOM and a screenshot at its load, then the page
     in a browser once it has lived 5 s (and polled since)."""
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -256,19 +266,7 @@ def _first_paint_and_after(url: str, paths: tuple[str, str], shots: Path) -> dic
     try:
         out["dom"] = _chromium_cli(paths, profile / "a", "--dump-dom", url)
         _chromium_cli(paths, profile / "b", f"--screenshot={shots / 'first-paint.png'}", url)
-        opts = webdriver.ChromeOptions()
-        opts.binary_location = paths[0]
-        for arg in (
-            "--headless=new",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-dev-shm-usage",
-            "--no-first-run",
-            "--window-size=1366,900",
-            f"--user-data-dir={profile / 'c'}",
-        ):
-            opts.add_argument(arg)
-        driver = webdriver.Chrome(service=Service(executable_path=paths[1]), options=opts)
+        driver = _chrome(paths, profile / "c")
         try:
             driver.set_page_load_timeout(20)
             driver.get(url)
@@ -378,25 +376,11 @@ def _watch_a_render(
     the card while it renders and once it is done."""
     import re
 
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.support.ui import WebDriverWait
 
     out: dict[str, Any] = {}
     profile = Path(tempfile.mkdtemp(prefix="gezel-chromium-"))
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = paths[0]
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--no-first-run",
-        "--window-size=1366,900",
-        f"--user-data-dir={profile}",
-    ):
-        opts.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(executable_path=paths[1]), options=opts)
+    driver = _chrome(paths, profile)
     card = '.card[data-model="img"]'
 
     def text(css: str) -> str:  # in one script: the page re-renders its cards every second
