@@ -178,10 +178,13 @@ def test_content_parts_piece_their_text_and_keep_other_parts_whole() -> None:
     other_image = {**image, "image_url": {"url": "data:image/png;base64," + "B" * 900}}
     changed = prompt_blocks(parts(LONG, other_image))
     assert shared_blocks(base, changed) == 2 + 1 + 1 + pieces + 1  # up to the image
-    # a part's other fields are in its header; a string and its one text part differ
+    # text parts alone are what the engine renders of them, their texts joined by
+    # newlines: a string's blocks, whatever cache_control marks they carry
     cached = _chat([{"type": "text", "text": LONG, "cache_control": {"type": "ephemeral"}}])
-    assert shared_blocks(prompt_blocks(cached), base) == 3
-    assert prompt_blocks(_chat(LONG)) != prompt_blocks(_chat([{"type": "text", "text": LONG}]))
+    assert prompt_blocks(cached) == prompt_blocks(_chat(LONG))
+    two = _chat([{"type": "text", "text": "A"}, {"type": "input_text", "text": "B"}])
+    assert prompt_blocks(two) == prompt_blocks(_chat("A\nB"))
+    assert shared_blocks(prompt_blocks(cached), base) == 3  # up to the user's header
 
 
 def test_a_boundary_between_messages_is_never_one_between_pieces() -> None:
@@ -221,7 +224,7 @@ def test_prompt_blocks_stay_bounded() -> None:
     assert len(prompt_blocks(_chat(huge))) == MAX_BLOCKS
     many = [{"role": "user", "content": str(i)} for i in range(MAX_BLOCKS)]
     assert len(prompt_blocks({"messages": many})) == MAX_BLOCKS
-    parts = [{"type": "text", "text": "t"}] * MAX_BLOCKS
+    parts = [{"type": "input_image", "image_url": "data:,"}] * MAX_BLOCKS
     assert len(prompt_blocks({"input": [{"role": "user", "content": parts}]})) == MAX_BLOCKS
 
 

@@ -1050,3 +1050,21 @@ def test_placement_avoids_a_slot_being_saved_unless_its_owner_continues_it() -> 
     assert choose_slot([0, 1], session="cid", table=table) == 1  # not the one being saved
     assert choose_slot([0, 1], session="ann", table=table, prefix=(1, 2, 3)) == 0  # its own
     assert choose_slot([0], session="cid", table=table) == 0  # only it: waits for the save
+
+
+def test_an_owner_that_tells_its_conversation_again_otherwise_keeps_its_slot() -> None:
+    """``claude -p --continue`` rebuilds the history it sends: the request diverges from
+    its slot's blocks late (it keeps more of the slot than it drops) and goes there,
+    not to a fresh slot that would re-prefill it all. A request sharing half of the
+    slot's blocks or less is another conversation: the fresh slot keeps the first."""
+    from gezel_trio.scheduler.admission import choose_slot
+
+    table = SlotTable(2, generation=1)
+    _holding(table, 0, "agent", (1, 2, 3, 4, 5, 6))  # slot 1 is fresh
+    assert choose_slot([0, 1], session="agent", table=table, prefix=(1, 2, 3, 4, 9)) == 0
+    assert choose_slot([0, 1], session="agent", table=table, prefix=(1, 2, 3, 9)) == 1
+    assert choose_slot([0, 1], session="agent", table=table, prefix=(1, 9)) == 1
+    # of two, the one sharing the most, as the engine's own choice
+    _holding(table, 1, "agent", (1, 2, 3))
+    assert choose_slot([0, 1], session="agent", table=table, prefix=(1, 2, 3, 4, 5, 8)) == 0
+    assert choose_slot([0, 1], session="agent", table=table, prefix=(1, 2, 3, 7)) == 1

@@ -220,8 +220,9 @@ def prompt_blocks(body: dict[str, Any]) -> Prefix:
 def _message_blocks(messages: Iterable[object]) -> Iterator[str]:
     """Each message's blocks, lazily (:func:`~gezel_trio.kv.prefix.prefix_blocks` reads
     no more than ``MAX_BLOCKS``): its header (the message without ``content``), then
-    its content. Text content (a string) is :func:`_text_blocks`; a list of parts
-    gives each text part (a part with a string ``text``) as its own header (the part
+    its content. Text content (a string, or a list of text parts alone, which the
+    engine renders as their texts joined by newlines) is :func:`_text_blocks`; another
+    list of parts gives each text part (a part with a string ``text``) as its own header (the part
     without ``text``) and its text's blocks, and any other part (an image, a tool
     result) as one block. A message whose content is neither (none: a tool call, say)
     is one block, its whole self. An item's ``id`` (Codex names every Responses input
@@ -235,6 +236,11 @@ def _message_blocks(messages: Iterable[object]) -> Iterator[str]:
             )
             continue
         yield Header(_HEADER + _canonical(_without(message, "content", "id")))
+        if isinstance(content, list) and content and all(map(_plain_text, content)):
+            # the engine renders text parts as their texts joined by newlines: so many
+            # tokens as that string, whatever the client marked on them (Claude Code
+            # resends a message as a string, and moves its cache_control marks)
+            content = "\n".join(part["text"] for part in content)
         if isinstance(content, str):
             yield from _text_blocks(content)
             continue
@@ -245,6 +251,17 @@ def _message_blocks(messages: Iterable[object]) -> Iterator[str]:
                 continue
             yield Header(_PART_HEADER + _canonical(_without(part, "text")))
             yield from _text_blocks(text)
+
+
+def _plain_text(part: object) -> bool:
+    """Whether a content part is text alone (``type`` text, or a Responses input's or
+    output's text; marks such as ``cache_control`` aside, which the engine ignores)."""
+    return (
+        isinstance(part, dict)
+        and part.get("type", "text") in ("text", "input_text", "output_text")
+        and isinstance(part.get("text"), str)
+        and all(k in ("type", "text", "cache_control") for k in part)
+    )
 
 
 def _without(value: dict[Any, Any], *keys: str) -> dict[Any, Any]:

@@ -87,9 +87,12 @@ def choose_slot(
 
     An owner may hold several slots. Among its free ones: the slot whose recorded
     blocks are the longest prefix of the request (the request continues it), else
-    the most recently used one whose blocks or the request's are unknown. When
-    every one of them holds another of the owner's conversations (their blocks
-    diverge from the request's), a fresh or clean slot goes first, so that the
+    the one sharing the most blocks with it among those that share more than half
+    of their blocks (the same conversation told again otherwise: the request keeps
+    more of it than it drops), else the most recently used one whose blocks or the
+    request's are unknown. When every one of them holds another of the owner's
+    conversations (sharing half of their blocks or less), a fresh or clean slot
+    goes first, so that the
     other conversation stays, then the owner's slot sharing the most blocks
     (least recently used first); its KV is parked first and the owner's parked
     copy sharing the most blocks restored when that shares more
@@ -127,7 +130,12 @@ def choose_slot(
             blocks = table.blocks(slot)
             if is_prefix(blocks, prefix):
                 return len(blocks), table.last_used(slot)
-            return (0 if not blocks or not prefix else -1), table.last_used(slot)
+            if not blocks or not prefix:
+                return 0, table.last_used(slot)
+            shared = shared_blocks(blocks, prefix)
+            # The same conversation told again otherwise (Claude Code's --continue
+            # rebuilds its history): it keeps more of the slot than it drops.
+            return (shared if 2 * shared > len(blocks) else -1), table.last_used(slot)
 
         best = max(own, key=fit)
         if fit(best)[0] >= 0:
