@@ -254,17 +254,42 @@ def check_run(run: Run, client: str) -> None:
         assert logged == paths, f"{client}: host logged {logged} for requests {paths}"
 
 
-def check_cache(host: Run, engine_ratio: float, client: str) -> float:
+async def check_cache(
+    host: Run, engine_ratio: float, client: str, engine_url: str | None = None
+) -> float:
     """Turn 2 on the host reads from cache at least :data:`CACHE_AIM` of its prompt, or
-    as much as the engine reads where the engine itself reads less."""
+    as much as the engine reads where the engine itself reads less.
+
+    ``engine_ratio`` is the engine's own run, a conversation of its own: the model
+    talks differently each time, and a client that rebuilds its history (Claude Code's
+    ``--continue``) diverges from its cache more after a longer answer. When the host
+    falls short of it, the engine's truth for the host's very requests decides: they
+    are sent to ``engine_url`` in order, and its turn 2 read is the bound."""
     cached, prompt = host.turn2_cache()
     assert prompt > 0, f"{client}: no prompt tokens logged for turn 2 on the host"
     ratio = cached / prompt
+    said = f"the engine {engine_ratio:.2f} on its own run"
+    if ratio < min(CACHE_AIM, engine_ratio) - 0.05 and engine_url is not None:
+        engine_ratio = await _engine_on(host, engine_url)
+        said = f"the engine {engine_ratio:.2f} on the host's own requests"
     assert ratio >= min(CACHE_AIM, engine_ratio) - 0.05, (
-        f"{client}: turn 2 read {cached}/{prompt} from cache on the host, "
-        f"the engine {engine_ratio:.2f}"
+        f"{client}: turn 2 read {cached}/{prompt} from cache on the host, {said}"
     )
     return ratio
+
+
+async def _engine_on(run: Run, engine_url: str) -> float:
+    """The share of turn 2's prompt tokens that the engine reads from its cache when
+    sent ``run``'s model requests, turn 1's then turn 2's, in order."""
+    first, second = run.model_requests(0), run.model_requests(1)
+    cached = prompt = 0
+    async with httpx.AsyncClient(timeout=httpx.Timeout(TURN_TIMEOUT), trust_env=False) as http:
+        for n, e in enumerate([*first, *second]):
+            r = await http.post(engine_url + e.path, headers=e.headers, content=e.body)
+            if n >= len(first):
+                p, c = prompt_counts(r.content)
+                prompt, cached = prompt + (p or 0), cached + (c or 0)
+    return cached / prompt if prompt else 0.0
 
 
 async def replay(
@@ -397,7 +422,7 @@ async def _figures(client: str, engine: Run, host: Run, engine_url: str, host_ur
     )
     assert engine_problem is None, engine_problem
     assert host_problem is None, host_problem
-    check_cache(host, e_cached / e_prompt if e_prompt else 0.0, client)
+    await check_cache(host, e_cached / e_prompt if e_prompt else 0.0, client, engine_url)
     check_replay(results, client)
 
 
@@ -521,14 +546,12 @@ async def test_aider(tmp_path: Path, engine_url: str, host_url: str) -> None:
         host_refused=[e.status for e in ollama.model_requests() if e.status >= 400],
     )
     problems = []
-    for check in (
-        lambda: check_run(ollama, "aider ollama_chat"),
-        lambda: check_cache(ollama, e_cached / e_prompt if e_prompt else 0.0, "aider ollama_chat"),
-    ):
-        try:
-            check()
-        except AssertionError as exc:
-            problems.append(str(exc))
+    try:
+        check_run(ollama, "aider ollama_chat")
+        # Ollama's route is the host's own: the engine cannot be sent its requests
+        await check_cache(ollama, e_cached / e_prompt if e_prompt else 0.0, "aider ollama_chat")
+    except AssertionError as exc:
+        problems.append(str(exc))
     try:
         await _figures("aider-openai", engine, host, engine_url, host_url)
     except AssertionError as exc:
