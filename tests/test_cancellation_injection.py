@@ -163,8 +163,11 @@ TIMING = SupervisorTiming(load_timeout=10, health_interval=60, health_timeout=1,
 
 
 @asynccontextmanager
-async def open_rig(tmp: Path, *, capacity: int = 16 * RESERVE_BYTES) -> AsyncIterator[Rig]:
-    """Two models, A and B, in ``swap``: each engine runs inside its ledger reservation."""
+async def open_rig(
+    tmp: Path, *, capacity: int = 16 * RESERVE_BYTES, blind_handoff: bool = True
+) -> AsyncIterator[Rig]:
+    """Two models, A and B, in ``swap``: each engine runs inside its ledger reservation
+    (``blind_handoff``: the scheduler's setting)."""
     launcher = SlotLauncher(FakeBehaviour(load_time=0.0))
     arbiter = GpuArbiter(policy="swap", lease_wait_poll=1.0)
     async with AsyncExitStack() as stack:
@@ -197,7 +200,9 @@ async def open_rig(tmp: Path, *, capacity: int = 16 * RESERVE_BYTES) -> AsyncIte
         scheduler = await stack.enter_async_context(
             open_scheduler(
                 lanes=runtimes,
-                settings=SchedulerSettings(residency="swap", max_queue=8, slot_poll=0.05),
+                settings=SchedulerSettings(
+                    residency="swap", max_queue=8, slot_poll=0.05, blind_handoff=blind_handoff
+                ),
             )
         )
         rig = Rig(ledger, arbiter, scheduler, launcher, runtimes)
@@ -270,14 +275,15 @@ async def echo(grant: Grant) -> int | None:
 # --------------------------------------------------------------------------- the paths
 
 
-@pytest.mark.parametrize("variant", ["swap", "erase"])
+@pytest.mark.parametrize("variant", ["swap", "erase", "blind"])
 async def test_cancel_at_every_step_of_a_job(tmp_path: Path, variant: str) -> None:
     """The whole job path, cancelled by its submitter at every step.
 
     ``swap``: B is resident, so A's turn evicts B and starts A inside its ledger
     reservation before the job is admitted. ``erase``: A is resident and both its
     slots hold other chats' KV, so the job's slot is erased (and acknowledged)
-    before it runs. Both then take a lease and run.
+    before it runs (``blind_handoff`` off). ``blind``: the same, with the job granted
+    blind instead (no erase). All then take a lease and run.
     """
     runs = 0
 
@@ -289,7 +295,7 @@ async def test_cancel_at_every_step_of_a_job(tmp_path: Path, variant: str) -> No
         return grant.slot_id
 
     async def one(k: int) -> tuple[bool, int]:
-        async with open_rig(tmp_path) as rig:
+        async with open_rig(tmp_path, blind_handoff=variant != "erase") as rig:
             assert await rig.run_job("A", echo, "other-0") == 0
             assert await rig.run_job("A", echo, "other-1") == 1
             if variant == "swap":
@@ -323,6 +329,8 @@ async def test_cancel_at_every_step_of_a_job(tmp_path: Path, variant: str) -> No
     assert k > 5, "suspiciously few steps: is the instrument counting?"
     if variant == "erase":
         assert erased == 1, "the uncancelled run did not go through the erase"
+    if variant == "blind":
+        assert erased == 0, "the uncancelled run erased: it was not granted blind"
 
 
 async def test_cancel_at_every_step_shutdown_leaves_nothing(tmp_path: Path) -> None:

@@ -510,8 +510,9 @@ async def _complete(
     host: Host, mode: str, api_key: str, prompt: list[int]
 ) -> tuple[int, int, int | None]:
     """One keyless ``/completion`` of the caller of ``api_key``, sent as the API layer
-    does: its owner from ``SessionKeys.owner``, ``id_slot`` from the grant and
-    ``cache_prompt`` off when the grant is blind. Returns (cached tokens, upstream
+    does: its owner from ``SessionKeys.owner``, ``id_slot`` from the grant,
+    ``cache_prompt`` off when the grant is blind, and word of the engine's answer to
+    the grant. Returns (cached tokens, upstream
     calls made before it, slot)."""
     caller = host.sessions.caller(api_key)
     owner = host.sessions.owner(caller, None, keyless=mode)  # type: ignore[arg-type]
@@ -526,6 +527,8 @@ async def _complete(
         if grant.blind:
             body["cache_prompt"] = False
         result = await member.client.forward("POST", "/completion", body=body, slot=grant.slot_id)
+        if result.head.status == 200 and result.json()["timings"]["predicted_n"] > 0:
+            grant.answered()  # the engine generated: a blind request emptied the slot first
     assert result.head.status == 200, result.content[:300]
     return int(result.json()["timings"]["cache_n"]), grant.prepare_calls, grant.slot_id
 
@@ -554,10 +557,10 @@ async def test_keyless_cache_on_a_real_engine(
     """One slot. Ann's keyless request, then one that extends it: the engine reuses
     the first one's prefix in ``shared`` mode, nothing in ``blind`` mode. Then Bea's
     keyless request with the same prompt on that slot reuses nothing in either mode
-    (shared: Ann's KV is parked in the background once her turn ended, and the slot
-    erased), and Ann's next one gets her own KV back in shared mode (restored: the
-    slot's handoff makes one call before the request, the save is off its path),
-    nothing in blind mode."""
+    (shared: Ann's KV is parked in the background once her turn ended, and Bea's
+    request sent with ``cache_prompt`` off instead of an erase), and Ann's next one
+    gets her own KV back in shared mode (restored: the slot's handoff makes one call
+    before the request, the save is off its path), nothing in blind mode."""
     state = tmp_path / "state"
     state.mkdir()
     cfg = make_config(
@@ -576,13 +579,13 @@ async def test_keyless_cache_on_a_real_engine(
                 assert cached >= len(FIRST) - 1  # its own prefix, as llama-server would
             else:
                 assert cached == 0
-            # another caller on the same slot: erased first in shared mode (one call: Ann's
-            # KV was saved in the background), blind in blind mode; the engine reuses
-            # nothing either way
+            # another caller on the same slot: Ann's KV was saved in the background, and
+            # the request is sent blind (cache_prompt off) in both modes, so no call
+            # precedes it; the engine reuses nothing either way
             await _slot_settled(host, mode)
             cached, calls, _ = await _complete(host, mode, KEY_BEA, EXTENDED)
             assert cached == 0
-            assert calls == (1 if mode == "shared" else 0)
+            assert calls == 0
             await _slot_settled(host, mode)
             cached, calls, _ = await _complete(host, mode, KEY_ANN, EXTENDED)
             assert calls == (1 if mode == "shared" else 0)
@@ -595,6 +598,8 @@ async def test_keyless_cache_on_a_real_engine(
             assert host.scheduler is not None
             erases = host.scheduler.statistics().erases
             assert erases["failed"] == 0
+            assert erases["sent_blind"] == (1 if mode == "shared" else 0)
+            assert erases["blind_unanswered"] == 0
 
 
 def test_a_keyless_owners_jobs_spread_over_replicas_even_where_it_holds_kv() -> None:

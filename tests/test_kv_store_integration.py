@@ -524,22 +524,26 @@ async def test_a_chat_that_starts_over_under_its_name_is_not_a_failed_restore(
             assert kv["disabled"] is None and host.models["tiny"].parking_enabled
 
 
+@pytest.mark.parametrize("blind_handoff", [False, True])
 async def test_a_session_slot_that_holds_no_token_is_handed_over(
-    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary, blind_handoff: bool
 ) -> None:
     """A session's job that ends before the engine evaluated anything (a client that left
-    at once) leaves its slot owned by the session but empty: saving it saves nothing, and
-    the next job on that slot must not wait for a save that never comes (it once looped
-    to a 503 'could not be prepared')."""
-    cfg = _config(tiny_model, state_dir, engine_binary)
+    at once) on a slot erased for it leaves the slot owned by the session but empty:
+    saving it saves nothing, and the next job on that slot must not wait for a save that
+    never comes (it once looped to a 503 'could not be prepared'). Granted blind
+    instead of an erase (``blind_handoff``), it leaves the slot unknown: the engine
+    never said it cleared it."""
+    cfg = _config(tiny_model, state_dir, engine_binary, scheduler={"blind_handoff": blind_handoff})
     with trio.fail_after(120):
         async with running(cfg) as (host, client):
             assert await _cached(client, REF[:20], None) == 0  # the engine is up
             session = host.sessions.session(host.sessions.caller(None), "E")
             async with host.slot(host.models["tiny"], session=session) as grant:
                 assert grant.slot_id == 0  # held, and nothing sent
+                assert grant.blind == blind_handoff
             table = host.scheduler.policy.table("tiny")  # type: ignore[union-attr]
-            assert table.owner(0) == session
+            assert table.owner(0) == (None if blind_handoff else session)
             for who in (None, "F"):  # a keyless job, then another session, take the slot
                 r = await client.post("/completion", json=_body(REF[:30], who))
                 assert r.status_code == 200, r.text

@@ -116,6 +116,7 @@ class FakeLane:
         self.fail_loads = 0
         self.load_error: Exception = EngineFailed(f"{model_id} failed to start")
         self.erase_error: Exception | None = None
+        self.answer_nothing = False  # its requests fail before the engine generates
         self.ensure_calls: list[float] = []
         self.loads: list[float] = []
         self.measure_calls = 0
@@ -254,9 +255,11 @@ class FakeLane:
             # a blind (keyless) job is sent with cache_prompt off: it reads nothing there
             if slot.kv is not None and slot.kv != me and not grant.blind:
                 self.bleeds.append(f"{rec.label} landed on slot {slot.id} holding {slot.kv}")
-            rec.cached = slot.kv == me and rec.session is not None
+            rec.cached = slot.kv == me and rec.session is not None and not grant.blind
             slot.busy = rec.label
             slot.kv = me
+            if not self.answer_nothing:
+                grant.answered()  # it "generated": a blind request emptied the slot first
             self.pool.note("arrive", f"{rec.label}@{self.model_id}:{slot.id}")
             try:
                 await trio.sleep(duration)
@@ -335,7 +338,10 @@ def overlaps(a: Record, b: Record) -> bool:
 @asynccontextmanager
 async def running(lanes: dict[str, FakeLane], **options: Any) -> AsyncIterator[Harness]:
     """A scheduler plus a nursery for the test's submitters, bounded in virtual time
-    (so a test of a broken scheduler fails instead of hanging)."""
+    (so a test of a broken scheduler fails instead of hanging). Handoffs erase unless
+    a test asks for ``blind_handoff``: most tests here check the erase path (the
+    ``[scheduler] blind_handoff = false`` configuration)."""
+    options.setdefault("blind_handoff", False)
     with trio.fail_after(1000):
         settings = SchedulerSettings(**options)
         async with open_scheduler(lanes=lanes, settings=settings) as s, trio.open_nursery() as n:
@@ -698,6 +704,8 @@ async def test_handoff_erases_and_awaits_the_ack_before_run(
         "failed": 0,
         "skipped_same_session": 1,
         "after_keyless": 0,
+        "sent_blind": 0,
+        "blind_unanswered": 0,
     }
     assert stats.slot_owners == {"a": {0: hash_session("chat-1")}}
 
@@ -785,6 +793,8 @@ async def test_failed_erase_fails_the_request_and_leaves_the_slot_unknown(
         "failed": 1,
         "skipped_same_session": 0,
         "after_keyless": 0,
+        "sent_blind": 0,
+        "blind_unanswered": 0,
     }
     assert a.bleeds == []
 
@@ -1583,3 +1593,37 @@ async def test_park_owned_waits_for_a_background_save_in_flight(
         assert await s.park_owned("a") == 0  # the background save made it current
         assert trio.current_time() == t0 + 0.5
         assert s.statistics().parking["saved_idle"] == 1
+
+
+async def test_a_blind_handoff_sends_no_erase_and_owns_the_slot_once_answered(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    """With ``blind_handoff`` (the default) a slot that another owner's job must not
+    read is handed over without an erase: the job is granted blind (sent with
+    ``cache_prompt`` off) with no call before it, and owns the slot once the engine
+    answered it. A blind job the engine never answered leaves the slot unknown: the
+    next job, even of the owner it was sent for, is sent blind again."""
+    a = FakeLane(pool, "a", parallel=1, erase_time=0.5)
+    async with running({"a": a}, blind_handoff=True) as h:
+        s = h.scheduler
+        t0 = trio.current_time()
+        first = h.submit(a, session="chat-1", duration=1.0, label="s1")
+        other = h.submit(a, at=0.5, session="chat-2", duration=1.0, label="s2")
+        again = h.submit(a, at=3.0, session="chat-2", duration=1.0, label="s2b")
+        await trio.sleep(5.0)
+        a.answer_nothing = True  # chat-1's request fails before the engine generates
+        lost = h.submit(a, session="chat-1", duration=1.0, label="s1b")
+        await trio.sleep(2.0)
+        a.answer_nothing = False
+        retry = h.submit(a, session="chat-1", duration=1.0, label="s1c")
+    assert first.grant is not None and not first.grant.blind  # a fresh slot
+    assert other.grant is not None and other.grant.blind and not other.grant.erased
+    assert other.grant.prepare_calls == 0 and other.start == t0 + 1.0  # no erase awaited
+    assert again.grant is not None and not again.grant.blind and again.cached  # its own now
+    assert lost.grant is not None and lost.grant.blind
+    assert retry.grant is not None and retry.grant.blind and not retry.cached
+    assert a.erases == [] and a.bleeds == []
+    erases = s.statistics().erases
+    assert erases["sent_blind"] == 3 and erases["blind_unanswered"] == 1
+    assert erases["ok"] == 0
+    assert s.statistics().slot_owners == {"a": {0: hash_session("chat-1")}}

@@ -85,8 +85,9 @@ async def test_handoff_erases_and_same_session_keeps_kv(
         state_dir,
         engine_binary,
         parallel=1,
-        # every save at its handoff (the background saves have tests of their own)
-        scheduler={"kv_parking": kv_parking, "save_idle_slots": False},
+        # every save at its handoff (the background saves have tests of their own), and
+        # an erase, not a blind send (test_slot_table_integration has those)
+        scheduler={"kv_parking": kv_parking, "save_idle_slots": False, "blind_handoff": False},
     )
     with trio.fail_after(120):
         async with running(cfg) as (host, client):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 from gezel_trio.config.schema import ModelConfig
@@ -113,8 +114,10 @@ async def test_upstream_calls_on_the_critical_path(
             # keyed, on a clean slot, then on the slot the session already owns
             assert await _request(host, client, "chat-A") == ([CHAT_PATH], [])
             assert await _request(host, client, "chat-A") == ([CHAT_PATH], [])
-            # keyed handoff: chat-A's KV is parked first, then the slot is erased
-            assert await _request(host, client, "chat-B") == (["save", "erase", CHAT_PATH], [])
+            # keyed handoff: chat-A's KV is parked first, then chat-B's request is sent
+            # with cache_prompt off (the engine empties the slot: no erase call); the
+            # chat is the very same, and the engine reuses none of it
+            assert await _request(host, client, "chat-B") == (["save", CHAT_PATH], [])
             # chat-A returns: chat-B is parked, chat-A's KV restored in place of an erase
             assert await _request(host, client, "chat-A") == (
                 ["save", "restore", CHAT_PATH],
@@ -147,15 +150,27 @@ async def test_a_keyless_request_reuses_nothing_the_slot_held(
             assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
-async def test_keyed_handoff_without_parking_costs_two_calls(
-    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+@pytest.mark.parametrize("blind_handoff", [True, False])
+async def test_keyed_handoff_without_parking_costs_one_call_or_two(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary, blind_handoff: bool
 ) -> None:
+    """Without parking a keyed handoff is the request alone, sent with ``cache_prompt``
+    off, or (``blind_handoff = false``) an erase and the request. The same chat under
+    another session reads no cached token either way: the engine's own count."""
     cfg = _cfg(tiny_model, state_dir, engine_binary, parallel=1)
     cfg.scheduler.kv_parking = False
+    cfg.scheduler.blind_handoff = blind_handoff
     with trio.fail_after(120):
         async with running(cfg) as (host, client):
             assert await _request(host, client, "chat-A") == ([CHAT_PATH], [])
-            assert await _request(host, client, "chat-B") == (["erase", CHAT_PATH], [])
+            assert await _request(host, client, "chat-B") == (
+                ([] if blind_handoff else ["erase"]) + [CHAT_PATH],
+                [],
+            )
+            again = await client.post(CHAT_PATH, json={**CHAT, "prompt_cache_key": "chat-C"})
+            assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            back = await client.post(CHAT_PATH, json={**CHAT, "prompt_cache_key": "chat-C"})
+            assert back.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
 async def test_a_frozen_engine_never_gets_an_unpinned_request(

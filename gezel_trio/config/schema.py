@@ -109,6 +109,11 @@ class SchedulerConfig:
     affinity_max_wait: float = 1.0
     """Seconds a queued request may be passed over by sessions that hold slots."""
     erase_on_handoff: bool = True
+    blind_handoff: bool = True
+    """A slot handed to a new owner is not erased first: the request is sent with
+    ``cache_prompt`` off, so the engine clears the slot and reads nothing it held (one
+    upstream call per handoff instead of two). The slot counts as the new owner's only
+    once the engine's first token came; until then it is unknown. Off: erase first."""
     kv_parking: bool = True
     """Save a chat's KV to disk (slot save) when its slot is handed over or its engine
     stops on purpose, and restore it when the chat returns, into any later engine."""
@@ -120,7 +125,8 @@ class SchedulerConfig:
     save_idle_slots: bool = True
     """With ``kv_parking``: save an owner's slot in the background once its request has
     ended and the slot stayed idle ``save_idle_delay`` seconds, so that the next
-    handoff of that slot skips the save (restore and request: 2 upstream calls)."""
+    handoff of that slot skips the save (restore and request: 2 upstream calls; the
+    request alone to an emptied slot, with ``blind_handoff``)."""
     save_idle_delay: float = 0.0
     lock_model: bool = False
     keyless: KeylessMode = "shared"

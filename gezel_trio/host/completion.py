@@ -127,6 +127,13 @@ class Progress:
         none) the engine's first event."""
         return self.first_token_at if self.first_token_at is not None else self.first_event_at
 
+    def tell(self, grant: Grant) -> None:
+        """Tell the scheduler, as the request leaves its slot, that the engine
+        generated a token for it (``grant.answered``): a blind request's engine then
+        started it from nothing, and the slot holds its owner's KV alone."""
+        if self.first_token_at is not None:
+            grant.answered()
+
     def add(self, chunk: bytes, shape: Shape) -> None:
         """A chunk of the engine's answer (its SSE stream of ``shape``) came."""
         if self.first_event_at is None:
@@ -653,12 +660,15 @@ class CompletionService:
             try:
                 async with self._slot(runtime, owner, prefix) as (member, grant):
                     job.progress.grant, job.runtime = grant, member
-                    await member.client.stream(
-                        completion.path,
-                        upstream_body(completion.body, grant),
-                        guarded,
-                        slot=grant.slot_id,
-                    )
+                    try:
+                        await member.client.stream(
+                            completion.path,
+                            upstream_body(completion.body, grant),
+                            guarded,
+                            slot=grant.slot_id,
+                        )
+                    finally:
+                        job.progress.tell(grant)
                 if guarded.answered:
                     _verify_restore(member, grant, guarded.tail.counts())
                 return
@@ -760,6 +770,8 @@ async def _assembled(
         if sink.events == 0 and not isinstance(exc, _NothingGenerated):
             raise _NothingGenerated(exc.message) from exc
         raise
+    finally:
+        progress.tell(grant)
     head, assembler = sink.head, sink.assembler
     if head is None:  # pragma: no cover - the stream raised before its head
         raise EngineCrashed("the engine closed the stream before answering")

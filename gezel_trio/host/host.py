@@ -793,6 +793,7 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
                     affinity=sched.affinity,
                     affinity_max_wait=sched.affinity_max_wait,
                     erase_on_handoff=sched.erase_on_handoff,
+                    blind_handoff=sched.blind_handoff,
                     kv_parking=sched.kv_parking,
                     save_idle_slots=sched.save_idle_slots,
                     save_idle_delay=sched.save_idle_delay,

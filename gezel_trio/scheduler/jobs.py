@@ -7,7 +7,8 @@ Plain values with no I/O, shared by the policy (:mod:`.policy`) and the Trio lay
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal, Protocol
 
@@ -30,6 +31,10 @@ EXCLUSIVE_KINDS: frozenset[str] = JOB_KINDS - {"completion"}
 RESIDENCIES: frozenset[str] = frozenset({"swap", "coexist"})
 
 
+def _nothing() -> None:
+    """What ``Grant.answered`` does for a grant that needs no word of its answer."""
+
+
 @dataclass(frozen=True, slots=True)
 class SlotMeasurement:
     """One sample of an engine's ``GET /slots``.
@@ -48,10 +53,13 @@ class Grant:
 
     ``slot_id`` is the pin to send upstream as ``id_slot`` (``None`` for exclusive
     jobs, for embeddings, which hold every slot, and for calls that use no slot);
-    ``blind``: a keyless job on a slot that may hold another job's KV; the caller
-    must send it with ``cache_prompt`` off, so the engine reuses nothing the slot
-    holds. ``erased`` says an acknowledged erase or restore of that slot preceded
-    this grant; ``queue_wait_s`` is the time from the request to this grant (engine
+    ``blind``: a job on a slot that may hold another job's KV (a keyless job, or an
+    owner's job handed a slot without an erase); the caller must send it with
+    ``cache_prompt`` off, so the engine reuses nothing the slot holds, and call
+    ``answered`` once the engine's first token came (the engine then cleared the slot
+    and it holds the job's own KV; without that call the slot stays unknown).
+    ``erased`` says an acknowledged erase or restore of that slot preceded this
+    grant; ``queue_wait_s`` is the time from the request to this grant (engine
     switch and preparation included); ``prepare_calls`` counts the upstream calls
     made on the request's critical path before its own (save, restore, erase);
     ``generation`` is the engine generation the slot was prepared on;
@@ -68,6 +76,7 @@ class Grant:
     prepare_calls: int = 0
     generation: int | None = None
     restored_tokens: int = 0
+    answered: Callable[[], None] = field(default=_nothing, repr=False, compare=False)
 
 
 class LaneInfo(Protocol):

@@ -160,6 +160,8 @@ class SchedulerPolicy:
         self.erases_failed = 0
         self.erases_skipped = 0  # handoffs to the same session: KV kept
         self.erases_after_keyless = 0  # off the critical path, after a keyless job
+        self.erases_sent_blind = 0  # handoffs sent with cache_prompt off instead
+        self.blind_unanswered = 0  # of those, the engine answered no token: slot unknown
         self.parks_saved = 0
         self.parks_skipped = 0  # the parked copy was still current
         self.parks_restored = 0
@@ -808,10 +810,14 @@ class SchedulerPolicy:
         slot = job.slot_id
         if slot is None or table.pinned_to(slot) is not job:
             return  # no slot, or the engine restarted with fewer slots
-        if job.ran:
+        if job.ran and (not job.blind or job.answered):
             table.completed(
                 slot, job, job.session, keyless=job.keyless, blocks=job.prefix, caller=job.caller
             )
+        elif job.ran:
+            # a blind handoff the engine answered no token: it may not have cleared the
+            # slot, which stays unknown (erased before anyone else's request)
+            self.blind_unanswered += 1
         table.unpin(slot, job)
 
     def forget_slots(self, model_id: str) -> None:
@@ -831,6 +837,11 @@ class SchedulerPolicy:
                 self.erases_after_keyless += 1
         else:
             self.erases_failed += 1
+
+    def note_sent_blind(self) -> None:
+        """A slot that would have been erased for its new owner's job is not: the job
+        is sent with ``cache_prompt`` off (see ``SchedulerSettings.blind_handoff``)."""
+        self.erases_sent_blind += 1
 
     def note_park(self, *, ok: bool, idle: bool = False) -> None:
         """A save of a slot's KV ended: tokens saved (``ok``) or failed; ``idle``: a
@@ -927,6 +938,8 @@ class SchedulerPolicy:
                 "failed": self.erases_failed,
                 "skipped_same_session": self.erases_skipped,
                 "after_keyless": self.erases_after_keyless,
+                "sent_blind": self.erases_sent_blind,
+                "blind_unanswered": self.blind_unanswered,
             },
             parking={
                 "saved": self.parks_saved,

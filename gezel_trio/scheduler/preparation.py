@@ -17,7 +17,11 @@ another owner of the caller does, that copy is restored into the job's slot firs
 (it stays its owner's), and the same holds. A keyless job without an owner (``[scheduler] keyless =
 "blind"``) is blind
 (``grant.blind``: the caller sends it with ``cache_prompt`` off, so it reads
-nothing the slot held) and needs no erase before it.
+nothing the slot held) and needs no erase before it. So is an owner's job on a slot
+that would otherwise be erased for it (``blind_handoff``): the engine empties the
+slot as it starts the request, which saves the erase's upstream call; the slot is
+the owner's once the engine's first token came (``grant.answered``), and unknown if
+none came.
 """
 
 from __future__ import annotations
@@ -100,7 +104,8 @@ class SlotPreparer:
         return Grant(
             model_id=job.model_id,
             slot_id=slot,
-            blind=slot is not None and job.session is None,
+            blind=slot is not None and (job.session is None or job.blind),
+            answered=job.answer,
             erased=erased,
             queue_wait_s=trio.current_time() - job.submitted_at,
             prepare_calls=calls,
@@ -214,6 +219,13 @@ class SlotPreparer:
                 else:
                     lend_failed = True
             elif prep.erase:
+                if self.settings.blind_handoff and job.session is not None:
+                    # Sent with cache_prompt off, the request itself empties the slot:
+                    # unknown until the engine's first token says it did (settle).
+                    job.blind = True
+                    calls -= 1
+                    self._policy.note_sent_blind()
+                    break
                 await self._erase(job, lane)
                 erased = True
         else:  # pragma: no cover - each round makes progress or raises

@@ -40,6 +40,8 @@ class Job:
     needs_slot: bool = True  # False: occupies capacity, sends nothing to a slot
     pool: bool = False  # may run on any member of its family (see THE POOL)
     ran: bool = False  # its request was sent (the slot's content is the job's from now)
+    blind: bool = False  # sent with cache_prompt off instead of an erase (an owner's job)
+    answered: bool = False  # a blind job's engine sent its first token: it cleared the slot
     generation: int | None = None  # engine generation the job was admitted on
     admitted_at: float | None = None
     model_state: _Model | None = field(default=None, repr=False)
@@ -49,6 +51,10 @@ class Job:
     @property
     def exclusive(self) -> bool:
         return self.kind != "completion"
+
+    def answer(self) -> None:
+        """The engine sent the first token of this job's answer (see ``Grant.answered``)."""
+        self.answered = True
 
 
 def detach(job: Job) -> None:

@@ -21,7 +21,10 @@ class SchedulerSettings:
     ``erase_timeout`` and ``park_timeout`` bound one sample, one erase and one
     save or restore. ``save_idle_slots``: save an owner's slot in the background
     once it has stayed idle ``save_idle_delay`` seconds after its job (with
-    ``kv_parking``), so that a handoff finds its copy current.
+    ``kv_parking``), so that a handoff finds its copy current. ``blind_handoff``: a
+    slot that must be emptied for its new owner is not erased; the request is sent
+    with ``cache_prompt`` off instead, and the engine starts it from nothing (one
+    upstream call per handoff, as on a bare engine).
     """
 
     residency: Residency = "swap"
@@ -30,6 +33,7 @@ class SchedulerSettings:
     affinity: bool = True
     affinity_max_wait: float = 1.0
     erase_on_handoff: bool = True
+    blind_handoff: bool = True
     kv_parking: bool = True
     measure_timeout: float = 2.0
     erase_timeout: float = 5.0

@@ -35,7 +35,8 @@ class SchedulerStats:
     slot_owners: dict[str, dict[int, str | None]]  # model -> slot -> hashed session|None
     slots: dict[str, SlotTableStats]  # model -> its slot table (contents, pins, held out,
     # background saves in flight)
-    erases: dict[str, int]  # ok, failed, skipped_same_session, after_keyless
+    erases: dict[str, int]  # ok, failed, skipped_same_session, after_keyless, sent_blind,
+    # blind_unanswered
     parking: dict[str, int]  # saved, save_skipped_current, restored, failed, saved_idle,
     # handoffs, handoff_calls (upstream calls of those handoffs, their requests included),
     # shared_within_caller (handoffs that kept the prefix another owner of the caller left),
