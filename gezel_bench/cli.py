@@ -300,7 +300,11 @@ async def _replay_endpoint(
         ok = isinstance(replicas, dict) and replicas
         endpoint.description["host_replicas"] = replicas if ok else None
         endpoint.description["host_handoffs"] = handoff_counters(status)
-        scheduler = status.get("config", {}).get("scheduler", {})
+        # the whole configuration is GET /api/config's (the status has the live part)
+        config = (await _admin_get(endpoint.base_url, endpoint.admin_key, "/api/config")).get(
+            "config"
+        )
+        scheduler = config.get("scheduler") if isinstance(config, dict) else None
         shares = isinstance(scheduler, dict) and scheduler.get("share_prefix_within_caller")
         endpoint.description["shares_within_caller"] = bool(shares)
 
@@ -315,13 +319,18 @@ async def _replay_endpoint(
 
 async def _host_status(base_url: str, admin_key: str | None) -> dict[str, Any]:
     """A gezel target's ``/api/status`` after the replay (``{}`` when unreadable)."""
+    return await _admin_get(base_url, admin_key, "/api/status")
+
+
+async def _admin_get(base_url: str, admin_key: str | None, path: str) -> dict[str, Any]:
+    """A gezel target's admin document at ``path`` (``{}`` when unreadable)."""
     headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else None
     try:
         async with httpx.AsyncClient(base_url=base_url, timeout=10, headers=headers) as client:
-            status = (await client.get("/api/status")).json()
+            document = (await client.get(path)).json()
     except (httpx.HTTPError, ValueError):
         return {}
-    return status if isinstance(status, dict) else {}
+    return document if isinstance(document, dict) else {}
 
 
 BENCH_KEYS = ("gezel-bench-caller-a", "gezel-bench-caller-b")
