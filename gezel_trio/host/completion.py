@@ -228,13 +228,14 @@ def _message_blocks(messages: Iterable[object]) -> Iterator[str]:
     """Each message's blocks, lazily (:func:`~gezel_trio.kv.prefix.prefix_blocks` reads
     no more than ``MAX_BLOCKS``): its header (the message without ``content``), then
     its content. Text content (a string, or a list of text parts alone, which the
-    engine renders as their texts joined by newlines) is :func:`_text_blocks`; another
-    list of parts gives each text part (a part with a string ``text``) as its own header (the part
-    without ``text``) and its text's blocks, and any other part (an image, a tool
-    result) as one block. A message whose content is neither (none: a tool call, say)
-    is one block, its whole self. An item's ``id`` (Codex names every Responses input
-    item anew in each session) is left out: the engine renders none, so two sessions
-    whose items differ only in their ids share their blocks as they share tokens."""
+    engine renders as their texts joined by newlines) is :func:`_text_blocks`;
+    another list of parts gives each text part (a part with a string ``text``) as its
+    own header (the part without ``text``) and its text's blocks, and any other part
+    (an image, a tool result) as one block. A message whose content is neither (none:
+    a tool call, say) is one block, its whole self. An item's ``id`` (Codex names
+    every Responses input item anew in each session) is left out: the engine renders
+    none, so two sessions whose items differ only in their ids share their blocks as
+    they share tokens."""
     for message in messages:
         content: object = message.get("content") if isinstance(message, dict) else None
         if not isinstance(message, dict) or not isinstance(content, (str, list)):

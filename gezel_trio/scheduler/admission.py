@@ -85,18 +85,16 @@ def choose_slot(
     """Pick the slot a job of ``session`` (its owner; None: blind) is pinned to, from
     ``free`` (not modified). ``prefix``: the request's blocks (:mod:`.prefix`).
 
-    An owner may hold several slots. Among its free ones: the slot whose recorded
-    blocks are the longest prefix of the request (the request continues it), else
-    the one sharing the most blocks with it among those that share more than half
-    of their blocks (the same conversation told again otherwise: the request keeps
-    more of it than it drops), else the most recently used one whose blocks or the
-    request's are unknown. When every one of them holds another of the owner's
-    conversations (sharing half of their blocks or less), a fresh or clean slot
-    goes first, so that the
-    other conversation stays, then the owner's slot sharing the most blocks
-    (least recently used first); its KV is parked first and the owner's parked
-    copy sharing the most blocks restored when that shares more
-    (:meth:`SlotTable.preparation`). Otherwise, for a job that may share its
+    An owner may hold several slots. Among its free ones: the slot sharing the most
+    blocks with the request among those whose recorded blocks it continues (they are
+    a prefix of it) or shares more than half of (the same conversation told again
+    otherwise: the request keeps more of the slot than it drops), else the most
+    recently used one whose blocks or the request's are unknown. When every one of
+    them holds another of the owner's conversations (sharing half of its blocks or
+    less), a fresh or clean slot goes first, so that the other conversation stays,
+    then the owner's slot sharing the most blocks (least recently used first); its
+    KV is parked first and the owner's parked copy sharing the most blocks restored
+    when that shares more (:meth:`SlotTable.preparation`). Otherwise, for a job that may share its
     ``caller``'s prefixes (:meth:`SlotTable.shares_with`), the slot of another owner
     of that caller sharing the most blocks with the request (more than message
     headers), whose owner has no job waiting in this turn, one not being saved
