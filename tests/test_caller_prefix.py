@@ -5,7 +5,8 @@ the *same caller* left: that owner's KV is parked (as on any handoff), the slot 
 not erased, and the engine keeps only the prefix the two prompts share; or, when no
 slot holds it, from such an owner's parked copy, restored into its slot (a copy: it
 stays that owner's). Replicas route a new owner to its caller's longest prefix. Never
-across callers, never for a model that cannot cut its state back (recurrent, hybrid).
+across callers, never for a model that cannot cut its state back (recurrent, hybrid:
+those start from a lead, test_leads.py).
 
 First the policy without I/O (preparation, placement, the slot table's model with
 callers), then the engine's own cached-token counts against a real llama-server (and
@@ -495,11 +496,12 @@ async def test_a_recurrent_model_shares_nothing(
     models_dir: Path, state_dir: Path, engine_binary: EngineBinary
 ) -> None:
     """A Mamba model cannot roll its state back to a shared prefix: a new session of
-    the caller gets an emptied slot, as before, and never another session's parked copy
-    (its copies are lent to nobody), though the copy is there: even a copy ending where
+    the caller gets an emptied slot, and never another session's parked copy (its
+    copies are lent to nobody), though the copy is there: even a copy ending where
     the request goes on (a shared block boundary) is not lent; only an exact
     boundary, which the host does not know for the generated tokens a copy ends with,
-    would be safe."""
+    would be safe. (Raw ``/completion`` prompts have no lead, the exact boundary a
+    chat's system prompt gives: see test_leads.py.)"""
     from gezel_trio.engine.demo_model import write_demo_model
 
     path = models_dir / "prefix-mamba.gguf"

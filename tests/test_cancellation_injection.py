@@ -208,6 +208,7 @@ async def open_rig(
         rig = Rig(ledger, arbiter, scheduler, launcher, runtimes)
         shim = types.SimpleNamespace(scheduler=scheduler, arbiter=arbiter, metrics=Metrics())
         shim._sharing = partial(Host._sharing, shim)  # callerless jobs: it shares nothing
+        shim._leading = partial(Host._leading, shim)  # and starts from no lead
         rig.shim = shim
         yield rig
         # Stop the engines before the block cancels them: a cancelled supervisor waits

@@ -22,6 +22,7 @@ import trio
 import trio.testing
 
 from gezel_trio.errors import EngineFailed, EngineStopped, QueueFull, UnknownModel
+from gezel_trio.kv.lead import Lead, LeadStart
 from gezel_trio.kv.prefix import Prefix
 from gezel_trio.scheduler import (
     ActiveOp,
@@ -1627,3 +1628,62 @@ async def test_a_blind_handoff_sends_no_erase_and_owns_the_slot_once_answered(
     assert erases["sent_blind"] == 3 and erases["blind_unanswered"] == 1
     assert erases["ok"] == 0
     assert s.statistics().slot_owners == {"a": {0: hash_session("chat-1")}}
+
+
+class LeadFakeLane(ParkingFakeLane):
+    """A ParkingFakeLane that starts slots from leads: a restore of the lead's snapshot
+    (once one was saved) or a prefill and a save, either replacing the slot's whole
+    content, acknowledged ``park_time`` later."""
+
+    def __init__(self, pool: FakePool, model_id: str, **kw: Any) -> None:
+        super().__init__(pool, model_id, **kw)
+        self.leads_enabled = True
+        self.fail_leads = False
+        self.snapshots: set[str] = set()
+        self.leads: list[tuple[int, str, bool]] = []  # slot, owner, restored
+
+    async def start_lead(self, slot_id: int, lead: Lead, *, within: float = math.inf) -> LeadStart:
+        self.slots[slot_id].kv = None  # the engine replaces what the slot held
+        await trio.sleep(self.park_time)
+        if self.fail_leads:
+            return LeadStart(0, 1)
+        restored = lead.owner in self.snapshots
+        self.snapshots.add(lead.owner)
+        self.leads.append((slot_id, lead.owner, restored))
+        return LeadStart(300, 1 if restored else 2, restored=restored, saved=not restored)
+
+
+async def test_a_job_with_a_lead_starts_a_slot_from_it_instead_of_an_erase(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    """One slot. A job carrying its caller's lead starts a fresh slot from it (a
+    prefill and a save); the next owner's job parks the first owner's KV, then has the
+    lead restored (that owner's KV saved first, here while the slot was idle): no
+    erase either time, and no job reads another owner's KV. A job on
+    its owner's own slot needs no lead; a lead that fails sends the job blind."""
+    a = LeadFakeLane(pool, "a", parallel=1, park_time=0.1)
+    lead = Lead("/v1/chat/completions", {}, (2, 4), key="k").for_caller("c" * 64)
+    async with running({"a": a}) as h:
+        s = h.scheduler
+
+        async def job(session: str) -> Record:
+            rec = Record("a", session, "completion", submitted=trio.current_time(), label=session)
+            async with s.slot("a", session=session, lead=lead) as grant:
+                await a.complete(grant, rec, 1.0)
+            await trio.sleep(1.0)
+            return rec
+
+        first, second, third = await job("ann-1"), await job("ann-2"), await job("ann-2")
+        a.fail_leads = True
+        fourth = await job("ann-3")
+        stats = s.statistics().parking
+    assert first.grant is not None and first.grant.lead_tokens == 300
+    assert not first.grant.blind and first.grant.prepare_calls == 2  # prefill and save
+    assert second.grant is not None and second.grant.lead_tokens == 300
+    # ann-1's KV was saved while the slot sat idle: the restore is the one call
+    assert second.grant.prepare_calls == 1 and "ann-1" in a.parked
+    assert a.leads == [(0, lead.owner, False), (0, lead.owner, True)]
+    assert third.grant is not None and third.grant.lead_tokens == 0 and third.cached
+    assert fourth.grant is not None and fourth.grant.blind and fourth.grant.lead_tokens == 0
+    assert a.erases == [] and a.bleeds == []
+    assert (stats["leads_saved"], stats["leads_restored"], stats["leads_failed"]) == (1, 1, 1)

@@ -49,6 +49,7 @@ from ..engine.sse import SseDecoder
 from ..engine.supervisor import EngineState
 from ..engine.usage import Counts, StreamTail, generated_in, token_counts
 from ..errors import EngineAbandoned, EngineCrashed, EngineFailed, GezelError
+from ..kv.lead import Lead, lead_of
 from ..kv.prefix import Header
 from ..kv.sessions import session_hash
 from ..scheduler import Grant, Prefix, prefix_blocks
@@ -222,6 +223,17 @@ def prompt_blocks(body: dict[str, Any]) -> Prefix:
     for name in ("input", "input_prefix", "prompt"):
         parts += _pieces(body.get(name))
     return prefix_blocks(parts)
+
+
+def request_lead(completion: Completion) -> Lead | None:
+    """The lead of a chat or Responses request (:func:`~gezel_trio.kv.lead.lead_of`),
+    its blocks cut as :func:`prompt_blocks` cuts the whole request."""
+    return lead_of(completion.path, completion.body, _lead_blocks)
+
+
+def _lead_blocks(messages: list[Any], instructions: str | None) -> Prefix:
+    head = [instructions] if instructions is not None else []
+    return prefix_blocks(itertools.chain(head, _message_blocks(messages)))
 
 
 def _message_blocks(messages: Iterable[object]) -> Iterator[str]:
@@ -429,6 +441,7 @@ class SlotSource(Protocol):
         keyless: bool,
         prefix: Prefix,
         caller: str | None = None,
+        lead: Lead | None = None,
     ) -> AbstractAsyncContextManager[tuple[ModelRuntime, Grant]]: ...
 
     def resolve_model(
@@ -492,7 +505,7 @@ class CompletionService:
         _warn_if_tools_dropped(runtime)
 
     def _slot(
-        self, runtime: ModelRuntime, owner: Owner, prefix: Prefix
+        self, runtime: ModelRuntime, owner: Owner, prefix: Prefix, completion: Completion
     ) -> AbstractAsyncContextManager[tuple[ModelRuntime, Grant]]:
         return self._host.completion_slot(
             runtime,
@@ -500,6 +513,7 @@ class CompletionService:
             keyless=owner.keyless,
             prefix=prefix,
             caller=owner.caller,
+            lead=None if runtime.cuts_back else request_lead(completion),
         )
 
     def _resend_to(self, failed: ModelRuntime, owner: Owner) -> ModelRuntime:
@@ -539,7 +553,7 @@ class CompletionService:
             progress = Progress()
         for attempt in (1, 2):
             try:
-                async with self._slot(runtime, owner, prefix) as (runtime, grant):
+                async with self._slot(runtime, owner, prefix, completion) as (runtime, grant):
                     progress.grant = grant
                     result = await _assembled(runtime, completion, grant, progress)
                 break
@@ -659,7 +673,7 @@ class CompletionService:
         for attempt in (1, 2):
             job.progress.grant = None
             try:
-                async with self._slot(runtime, owner, prefix) as (member, grant):
+                async with self._slot(runtime, owner, prefix, completion) as (member, grant):
                     job.progress.grant, job.runtime = grant, member
                     try:
                         await member.client.stream(
@@ -701,12 +715,14 @@ def _warn_if_tools_dropped(runtime: ModelRuntime) -> None:
 
 
 def _verify_restore(runtime: ModelRuntime, grant: Grant, counts: Counts) -> None:
-    """After a KV restore (``grant.restored_tokens``), hand the answer's (prompt,
-    cached) tokens, as the engine reported them, to ``runtime``'s verification."""
-    if not grant.restored_tokens:
-        return
+    """After a KV restore (``grant.restored_tokens``) or a start from a lead
+    (``grant.lead_tokens``), hand the answer's (prompt, cached) tokens, as the engine
+    reported them, to ``runtime``'s verification."""
     try:
-        runtime.verify_restore(grant.restored_tokens, counts[0], counts[1])
+        if grant.restored_tokens:
+            runtime.verify_restore(grant.restored_tokens, counts[0], counts[1])
+        if grant.lead_tokens:
+            runtime.verify_lead(grant.lead_tokens, counts[1])
     except Exception:  # pragma: no cover - bookkeeping must never fail a completion
         log.exception("verifying a KV restore failed")
 

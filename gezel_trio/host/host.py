@@ -53,6 +53,7 @@ from ..gpu.ledger import (
 )
 from ..gpu.probe import DeviceHealth, NvmlProbe, Probe
 from ..images.job import ImageJob, ImageProgress, ImageResult
+from ..kv.lead import Lead
 from ..kv.prefix import shared_blocks
 from ..kv.sessions import SessionKeys
 from ..kv.store import KvStore, default_budget
@@ -380,6 +381,7 @@ class Host:
         keyless: bool = False,
         prefix: Prefix = (),
         caller: str | None = None,
+        lead: Lead | None = None,
         kind: JobKind = "completion",
         any_slot: bool = False,
         needs_slot: bool = True,
@@ -392,7 +394,10 @@ class Host:
         ``caller``: the owner's caller; the job may then start from a prefix another
         owner of that caller left in a slot, when ``[scheduler]
         share_prefix_within_caller`` is on and the engine cuts a slot back to a
-        shared prefix by itself (:attr:`ModelRuntime.cuts_back`).
+        shared prefix by itself (:attr:`ModelRuntime.cuts_back`). ``lead``: the
+        request's lead (:func:`~gezel_trio.kv.lead.lead_of`); on an engine that cannot
+        cut back, with sharing on, a slot holding nothing of the owner's starts from
+        the caller's snapshot of it (:meth:`_leading`).
 
         The block runs once the model is resident, its turn has come and the slot
         is prepared; the engine is held (no idle or pressure release) from
@@ -401,6 +406,7 @@ class Host:
         block; pin, lease and hold are released at scope exit on every path.
         """
         assert self.scheduler is not None, "the host is not open"
+        lead = self._leading(runtime, session, caller, lead)
         caller = self._sharing(runtime, session, caller)
         return self.scheduler.slot(
             runtime.id,
@@ -409,6 +415,7 @@ class Host:
             prefix=prefix,
             caller=caller,
             parked=caller is not None and runtime.is_parked(session, prefix),
+            lead=lead,
             kind=kind,
             any_slot=any_slot,
             needs_slot=needs_slot,
@@ -430,6 +437,24 @@ class Host:
             return None
         return caller
 
+    def _leading(
+        self, runtime: ModelRuntime, session: str | None, caller: str | None, lead: Lead | None
+    ) -> Lead | None:
+        """``lead`` as ``caller``'s when a job of ``session`` on ``runtime`` starts from
+        it (sharing within the caller on, an owner, an engine the host runs that cannot
+        cut a slot back but can save and restore one), else None."""
+        if (
+            lead is None
+            or caller is None
+            or session is None
+            or not self.config.scheduler.share_prefix_within_caller
+            or runtime.config.external
+            or runtime.cuts_back
+            or not runtime.leads_enabled
+        ):
+            return None
+        return lead.for_caller(caller)
+
     @asynccontextmanager
     async def completion_slot(
         self,
@@ -439,10 +464,11 @@ class Host:
         keyless: bool = False,
         prefix: Prefix = (),
         caller: str | None = None,
+        lead: Lead | None = None,
     ) -> AsyncIterator[tuple[ModelRuntime, Grant]]:
         """``async with host.completion_slot(runtime, session=s) as (member, grant)``:
         :meth:`slot` for a completion, across a replicated model's members
-        (``session``, ``keyless``, ``prefix`` and ``caller`` as there).
+        (``session``, ``keyless``, ``prefix``, ``caller`` and ``lead`` as there).
 
         ``member`` is the engine the grant is on: for a replica, another member than
         ``runtime`` when the scheduler moved the job (a sibling with a free slot
@@ -481,6 +507,7 @@ class Host:
                             keyless=keyless,
                             prefix=prefix,
                             caller=caller,
+                            lead=lead,
                             pool=pool,
                         )
                     )

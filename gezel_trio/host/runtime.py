@@ -36,6 +36,7 @@ from ..errors import EngineFailed, FieldError, GezelError
 from ..gpu.arbiter import GpuArbiter
 from ..gpu.ledger import Reservation
 from ..gpu.placement import Placement
+from ..kv.lead import Lead, LeadStart
 from ..kv.prefix import Prefix
 from ..kv.sessions import session_hash
 from ..kv.store import KvCompat, KvEntry, KvModelStats, KvStore, file_identity
@@ -184,6 +185,9 @@ class ModelRuntime:
     """Whether the engine's chat template renders tools, as the engine said, and the
     engine process (generation) that said it."""
     _asking_tools: bool = False
+    leads_off: str | None = None
+    """Why this model starts no slot from a caller's lead (see :meth:`verify_lead`);
+    None while it does."""
 
     # ------------------------------------------------------------------ setup
 
@@ -733,6 +737,66 @@ class ModelRuntime:
             return
         self._restore_did_not_take(None, restored, cached)
 
+    # ------------------------------------------------------------------ leads
+
+    @property
+    def leads_enabled(self) -> bool:
+        """Whether a slot may be started from a caller's lead (see
+        :mod:`gezel_trio.kv.lead`): parking works, and no lead proved not to be a
+        prefix of its request."""
+        return self.parking_enabled and self.leads_off is None
+
+    async def start_lead(self, slot_id: int, lead: Lead, *, within: float = math.inf) -> LeadStart:
+        """Make ``slot_id`` hold exactly ``lead`` (a caller's, :meth:`Lead.for_caller`):
+        restore its snapshot when one is parked; else prefill the lead alone (sent with
+        ``cache_prompt`` off: the engine empties the slot first) and save the slot as
+        the snapshot, under the parking budget like any parked copy. Each call within
+        ``within`` seconds. 0 tokens: it failed (logged); the slot is then unknown. A
+        failed save leaves the lead in the slot (the tokens are returned, not saved).
+        Cancellation leaves the slot unknown."""
+        kv, owner = self.kv, lead.owner
+        if kv is None or not owner:
+            return LeadStart(0, 0)
+        try:
+            restored = await self.unpark_slot(slot_id, owner, within=within)
+        except Exception:
+            return LeadStart(0, 1)  # unpark_slot logged it
+        if restored:
+            return LeadStart(restored, 1, restored=True)
+        body = {**lead.body, "id_slot": slot_id, "cache_prompt": False}
+        failure = f"no answer within {within:g}s"
+        tokens = 0
+        with trio.move_on_after(within):
+            try:
+                answer = await self.client.forward("POST", lead.path, body=body, slot=slot_id)
+                tokens = _prompt_tokens(answer.json()) if answer.head.status == 200 else 0
+                failure = f"the engine answered {answer.head.status}: {answer.content[:200]!r}"
+            except Exception as exc:
+                failure = _reason(exc)
+        if tokens <= 0:
+            log.warning("lead prefill on %s slot %d failed: %s", self.id, slot_id, failure)
+            return LeadStart(0, 1)
+        if lead.caller is not None:
+            kv.note_caller(owner, lead.caller)
+        try:
+            saved = await self.park_slot(slot_id, owner, lead.blocks, within=within)
+        except Exception:
+            saved = 0  # park_slot logged it; the lead is in the slot all the same
+        return LeadStart(tokens, 2, saved=saved > 0)
+
+    def verify_lead(self, lead_tokens: int, cached: int | None) -> None:
+        """The first completion on a slot started from a lead of ``lead_tokens`` tokens
+        reused ``cached`` of them: fewer means the model's chat template renders the
+        lead otherwise when the conversation goes on (the engine then cleared the slot),
+        and this model starts no slot from a lead from now on (logged once)."""
+        if cached is None or cached >= lead_tokens or self.leads_off is not None:
+            return
+        self.leads_off = (
+            f"a lead of {lead_tokens} tokens was not a prefix of its request (the engine "
+            f"reused {cached}): new sessions start cold"
+        )
+        log.warning("leads are off for %s: %s", self.id, self.leads_off)
+
     def _restore_did_not_take(
         self, entry: KvEntry | None, restored: int, cached: int | None
     ) -> None:
@@ -772,3 +836,15 @@ class ModelRuntime:
 def _reason(exc: BaseException) -> str:
     """Why a KV save or restore failed, for its log line."""
     return str(exc) or type(exc).__name__
+
+
+def _prompt_tokens(answer: object) -> int:
+    """The prompt tokens an engine's chat or Responses answer reports (0: none)."""
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    if not isinstance(usage, dict):
+        return 0
+    for key in ("prompt_tokens", "input_tokens"):
+        value = usage.get(key)
+        if isinstance(value, int):
+            return value
+    return 0

@@ -44,6 +44,7 @@ from gezel_trio.errors import (
     SchedulerClosed,
     UnknownModel,
 )
+from gezel_trio.kv.lead import Lead
 from gezel_trio.kv.prefix import Prefix
 from gezel_trio.scheduler.admission import Action, Admit, Load, RunExclusive
 from gezel_trio.scheduler.jobs import (
@@ -227,6 +228,7 @@ class Scheduler:
         prefix: Prefix = (),
         caller: str | None = None,
         parked: bool = False,
+        lead: Lead | None = None,
         kind: JobKind = "completion",
         any_slot: bool = False,
         needs_slot: bool = True,
@@ -246,7 +248,10 @@ class Scheduler:
         (the engine cuts the slot back to what the two share; None: never, and never
         across callers); ``parked``: the owner has a parked copy for the request,
         so no such slot is sought for it (see
-        :func:`~gezel_trio.scheduler.admission.choose_slot`).
+        :func:`~gezel_trio.scheduler.admission.choose_slot`). ``lead``: the caller's
+        lead (:meth:`~gezel_trio.kv.lead.Lead.for_caller`) that a slot holding nothing
+        of the owner's is started from instead of erased (a model that cannot cut a
+        slot back; see :mod:`gezel_trio.kv.lead`).
 
         The block is entered once the model is resident, the job's turn has come,
         its slot is pinned and prepared: ``grant.slot_id`` holds nothing but
@@ -281,6 +286,7 @@ class Scheduler:
             prefix=tuple(prefix),
             caller=caller if session is not None else None,
             parked=parked,
+            lead=lead if session is not None else None,
             any_slot=any_slot,
             needs_slot=needs_slot and not any_slot and kind == "completion",
             pool=pool and kind == "completion" and not any_slot,

@@ -65,7 +65,9 @@ class Grant:
     ``generation`` is the engine generation the slot was prepared on;
     ``restored_tokens`` how many tokens of the session's parked KV were restored
     into the slot for this job (0: none), for the caller to verify against the
-    completion's cached tokens.
+    completion's cached tokens; ``lead_tokens`` how many tokens of the caller's lead
+    snapshot the slot holds for it (restored, or prefilled and saved just now; 0:
+    none), which the completion should reuse whole (see :mod:`gezel_trio.kv.lead`).
     """
 
     model_id: str
@@ -76,6 +78,7 @@ class Grant:
     prepare_calls: int = 0
     generation: int | None = None
     restored_tokens: int = 0
+    lead_tokens: int = 0
     answered: Callable[[], None] = field(default=_nothing, repr=False, compare=False)
 
 

@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 import trio
 
 from gezel_trio._trio import unwrapping
+from gezel_trio.kv.lead import Lead, LeadStart
 from gezel_trio.kv.prefix import Prefix
 from gezel_trio.scheduler.jobs import LaneInfo, SlotMeasurement
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
-__all__ = ["EngineLane", "ParkingLane", "can_park", "unless_failed"]
+__all__ = ["EngineLane", "LeadLane", "ParkingLane", "can_lead", "can_park", "unless_failed"]
 
 T = TypeVar("T")
 
@@ -84,7 +85,28 @@ class ParkingLane(Protocol):
         ...
 
 
+@runtime_checkable
+class LeadLane(Protocol):
+    """A lane that can start a slot from its caller's lead snapshot (see
+    :mod:`gezel_trio.kv.lead`): for a model that cannot cut a slot back."""
+
+    @property
+    def leads_enabled(self) -> bool:
+        """False once a lead proved not to be a prefix of its request (the model's
+        template renders it otherwise), or without KV parking."""
+        ...
+
+    async def start_lead(self, slot_id: int, lead: Lead, *, within: float = math.inf) -> LeadStart:
+        """Make the slot hold exactly ``lead`` (a caller's, :meth:`Lead.for_caller`):
+        restore its snapshot, or prefill the lead alone (the engine empties the slot
+        first) and save it as one, each within ``within`` seconds. 0 tokens: it failed
+        (logged) and the slot is unknown; a failed save alone still leaves the lead in
+        the slot. Cancellation leaves the slot unknown."""
+        ...
+
+
 _PARKING_TYPES: dict[type, bool] = {}
+_LEAD_TYPES: dict[type, bool] = {}
 
 
 def can_park(lane: object) -> TypeIs[ParkingLane]:
@@ -94,6 +116,16 @@ def can_park(lane: object) -> TypeIs[ParkingLane]:
     known = _PARKING_TYPES.get(kind)
     if known is None:
         known = _PARKING_TYPES[kind] = isinstance(lane, ParkingLane)
+    return known
+
+
+def can_lead(lane: object) -> TypeIs[LeadLane]:
+    """Whether ``lane`` is a :class:`LeadLane` (asked once per type, as
+    :func:`can_park`)."""
+    kind = type(lane)
+    known = _LEAD_TYPES.get(kind)
+    if known is None:
+        known = _LEAD_TYPES[kind] = isinstance(lane, LeadLane)
     return known
 
 

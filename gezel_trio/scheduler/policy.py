@@ -79,6 +79,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 
 from gezel_trio.errors import QueueFull, UnknownModel
+from gezel_trio.kv.lead import LeadStart
 from gezel_trio.scheduler.admission import (
     Action,
     Admission,
@@ -171,6 +172,9 @@ class SchedulerPolicy:
         self.handoff_calls = 0  # upstream calls those made: park, restore, erase, request
         self.shared_prefixes = 0  # of those, sent onto their caller's other owner's prefix
         self.lent_prefixes = 0  # restores of another owner's parked copy of the job's caller
+        self.leads_saved = 0  # slots started from a lead prefilled alone, then saved
+        self.leads_restored = 0  # slots started from a caller's lead snapshot
+        self.leads_failed = 0  # starts from a lead that failed (the job went blind)
         self.reconciliations = 0
         self.held_out = 0  # slots found busy with work the host did not send
         self.failovers = 0  # queued jobs moved off a member that went down
@@ -857,6 +861,15 @@ class SchedulerPolicy:
         """A handoff found the outgoing owner's parked copy current: no save."""
         self.parks_skipped += 1
 
+    def note_lead(self, start: LeadStart) -> None:
+        """A slot was started from its job's lead (see :mod:`gezel_trio.kv.lead`)."""
+        if not start.tokens:
+            self.leads_failed += 1
+        elif start.restored:
+            self.leads_restored += 1
+        elif start.saved:
+            self.leads_saved += 1
+
     def note_restore(self, *, ok: bool, lent: bool = False) -> None:
         """A restore of a parked copy into a slot took (``ok``) or did not; ``lent``: the
         copy of another owner of the job's caller, that the job starts from."""
@@ -951,6 +964,9 @@ class SchedulerPolicy:
                 "handoff_calls": self.handoff_calls,
                 "shared_within_caller": self.shared_prefixes,
                 "lent_within_caller": self.lent_prefixes,
+                "leads_saved": self.leads_saved,
+                "leads_restored": self.leads_restored,
+                "leads_failed": self.leads_failed,
             },
             pool={"failovers": self.failovers, "pooled": self.pooled},
             admissions=self.admissions,

@@ -21,7 +21,10 @@ nothing the slot held) and needs no erase before it. So is an owner's job on a s
 that would otherwise be erased for it (``blind_handoff``): the engine empties the
 slot as it starts the request, which saves the erase's upstream call; the slot is
 the owner's once the engine's first token came (``grant.answered``), and unknown if
-none came.
+none came. A job that carries its caller's lead (``job.lead``: a model that cannot cut
+a slot back, see :mod:`gezel_trio.kv.lead`) has a slot that holds nothing of its
+owner's started from that lead instead of erased: its snapshot restored, or the lead
+prefilled alone and saved as one; the slot then holds the lead as the owner's KV.
 """
 
 from __future__ import annotations
@@ -33,12 +36,21 @@ from functools import partial
 import trio
 
 from gezel_trio.errors import EngineCrashed, EngineFailed, GezelError
+from gezel_trio.kv.lead import LeadStart
 from gezel_trio.kv.prefix import Prefix, is_prefix, shared_blocks
 from gezel_trio.scheduler.jobs import Grant
-from gezel_trio.scheduler.lanes import EngineLane, ParkingLane, can_park, unless_failed
+from gezel_trio.scheduler.lanes import (
+    EngineLane,
+    LeadLane,
+    ParkingLane,
+    can_lead,
+    can_park,
+    unless_failed,
+)
 from gezel_trio.scheduler.maintenance import SlotMaintenance
 from gezel_trio.scheduler.policy import SchedulerPolicy
 from gezel_trio.scheduler.settings import SchedulerSettings
+from gezel_trio.scheduler.slots import Content
 from gezel_trio.scheduler.trio_job import _TrioJob
 
 __all__ = ["SlotPreparer"]
@@ -111,6 +123,7 @@ class SlotPreparer:
             prepare_calls=calls,
             generation=self._policy.table_of(job).generation,
             restored_tokens=restored,
+            lead_tokens=job.lead_tokens,
         )
 
     async def _prepare_watched(
@@ -167,6 +180,7 @@ class SlotPreparer:
         first_owner = self._policy.table_of(job).owner(slot)
         handoff = job.session is not None and first_owner not in (None, job.session)
         shared = False  # sent onto another owner's KV of its caller: the engine cuts it back
+        wants_lead = False  # the slot is to be started from the caller's lead, not erased
         for _ in range(4):
             self.check_pin(job)
             table = self._policy.table_of(job)
@@ -219,6 +233,10 @@ class SlotPreparer:
                 else:
                     lend_failed = True
             elif prep.erase:
+                if self._may_lead(job, lane):
+                    calls -= 1  # no erase: the lead's prefill or restore empties the slot
+                    wants_lead = True
+                    break
                 if self.settings.blind_handoff and job.session is not None:
                     # Sent with cache_prompt off, the request itself empties the slot:
                     # unknown until the engine's first token says it did (settle).
@@ -231,6 +249,11 @@ class SlotPreparer:
         else:  # pragma: no cover - each round makes progress or raises
             raise EngineFailed(f"slot {slot} of {job.model_id!r} could not be prepared")
         self.check_pin(job)
+        if self._may_lead(job, lane) and (
+            wants_lead or self._policy.table_of(job).content(slot) in (Content.FRESH, Content.CLEAN)
+        ):
+            assert can_lead(lane)
+            calls += await self._lead(job, lane)
         table = self._policy.table_of(job)
         blocks = table.blocks(slot)
         if restored and prefix and blocks and not is_prefix(blocks, prefix):
@@ -239,6 +262,42 @@ class SlotPreparer:
             self._policy.note_handoff(calls=calls + 1, shared=shared)  # and the request
         table.sending(slot, job)
         return calls, erased, restored
+
+    def _may_lead(self, job: _TrioJob, lane: EngineLane) -> bool:
+        """Whether the job's slot, holding nothing of its owner's, is to be started
+        from its caller's lead (see :mod:`gezel_trio.kv.lead`)."""
+        return (
+            job.lead is not None
+            and job.session is not None
+            and not job.lead_tokens
+            and can_lead(lane)
+            and lane.leads_enabled
+        )
+
+    async def _lead(self, job: _TrioJob, lane: LeadLane) -> int:
+        """Start the job's slot from its caller's lead (:meth:`LeadLane.start_lead`,
+        within ``park_timeout``): the upstream calls made. The slot then holds the
+        lead as the job's own KV (no parked copy of it); when that failed, the slot is
+        unknown and the job is sent blind (``cache_prompt`` off), which empties it.
+        Cancellation leaves the slot unknown."""
+        slot, lead, session = job.slot_id, job.lead, job.session
+        assert slot is not None and lead is not None and session is not None
+        self._policy.table_of(job).sending(slot, job)
+        try:
+            start = await lane.start_lead(slot, lead, within=self.settings.park_timeout)
+        except Exception:
+            start = LeadStart(0, 1)
+        self.check_pin(job)
+        self._policy.note_lead(start)
+        if start.tokens:
+            self._policy.table_of(job).started(
+                slot, job, session, keyless=job.keyless, blocks=lead.blocks
+            )
+            job.lead_tokens = start.tokens
+        else:
+            job.blind = True
+            self._policy.note_sent_blind()
+        return start.calls
 
     async def _park(self, job: _TrioJob, lane: ParkingLane, session: str) -> bool:
         """Save ``session``'s KV before its slot changes hands (within ``park_timeout``);

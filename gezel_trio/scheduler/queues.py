@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from gezel_trio.kv.lead import Lead
 from gezel_trio.kv.prefix import Prefix
 from gezel_trio.scheduler.jobs import JobKind, JobState, LaneInfo
 from gezel_trio.scheduler.slots import SlotTable
@@ -32,6 +33,8 @@ class Job:
     prefix: Prefix = ()  # the request's prefix blocks (placement within its owner)
     caller: str | None = None  # its owner may share its caller's prefixes (None: no)
     parked: bool = False  # its owner has a parked copy for it (no shared prefix sought)
+    lead: Lead | None = None  # its caller's lead to start from (a model that cannot cut back)
+    lead_tokens: int = 0  # tokens of that lead its slot holds for it (0: none)
     seq: int = -1
     submitted_at: float = 0.0
     state: JobState = JobState.QUEUED

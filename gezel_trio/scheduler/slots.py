@@ -492,6 +492,14 @@ class SlotTable:
             caller=caller,
         )
 
+    def started(
+        self, slot: int, job: object, session: str, *, keyless: bool = False, blocks: Prefix = ()
+    ) -> None:
+        """The engine acknowledged that ``slot`` holds the first ``blocks`` of ``job``'s
+        own request (its caller's lead, see :mod:`gezel_trio.kv.lead`): ``session``'s
+        KV, of which no parked copy is current."""
+        self._pinned(slot, job).hold(Content.OWNED, session, keyless=keyless, blocks=blocks)
+
     def parked(self, slot: int, job: object, session: str) -> None:
         """``session``'s KV in ``slot`` was saved (acknowledged) by ``job``: see
         :meth:`_saved`."""

@@ -40,7 +40,9 @@ class SchedulerStats:
     parking: dict[str, int]  # saved, save_skipped_current, restored, failed, saved_idle,
     # handoffs, handoff_calls (upstream calls of those handoffs, their requests included),
     # shared_within_caller (handoffs that kept the prefix another owner of the caller left),
-    # lent_within_caller (restores of another owner's parked copy of the caller, to start from)
+    # lent_within_caller (restores of another owner's parked copy of the caller, to start from),
+    # leads_saved, leads_restored, leads_failed (slots started from a caller's lead: prefilled
+    # alone and saved, restored from its snapshot, or failed; see gezel_trio.kv.lead)
     pool: dict[str, int]  # failovers (moved off a down member), pooled (taken by a sibling)
     admissions: int
     reconciliations: int
