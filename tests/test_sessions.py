@@ -25,6 +25,7 @@ import trio
 
 from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
+from gezel_trio.engine.demo_model import EOS_ID
 from gezel_trio.engine.supervisor import default_slot_save_dir
 from gezel_trio.host import Host
 from gezel_trio.kv.sessions import (
@@ -314,3 +315,51 @@ async def test_without_keys_there_is_one_scope(
             shown = session_hash(host.sessions.session(host.sessions.caller(None), NAME))
             assert owners == {0: shown}
             assert shown != _unsalted(NAME)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_blind_handoff_answered_with_no_token_owns_the_slot(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary, stream: bool
+) -> None:
+    """Key 2's chat takes key 1's slot blind (``cache_prompt`` off) and the model ends
+    its answer at once (end of generation first: no token of content). The engine ran
+    the request, so it emptied the slot and holds key 2's prompt: key 2's next turn
+    continues there (no save, no restore, its prompt cached), where before the slot
+    stayed unknown and the turn started cold."""
+    cfg = make_config(
+        [ModelConfig(id="tiny", path=str(tiny_model), parallel=1, ctx_per_slot=2048)],
+        state_dir=state_dir,
+        engine_binary=engine_binary,
+        server={"api_keys": [KEY1, KEY2]},
+        scheduler={"save_idle_slots": False},
+    )
+    eos_first = {"logit_bias": {str(EOS_ID): 100}}
+    with trio.fail_after(120):
+        async with running(cfg) as (host, client):
+            assert await _turn(host, client, KEY1, prompt_cache_key=NAME) == ([CHAT_PATH], 0)
+            resp = await client.post(
+                CHAT_PATH,
+                json=_body(prompt_cache_key=NAME, stream=stream, **eos_first),
+                headers={"Authorization": f"Bearer {KEY2}"},
+            )
+            assert resp.status_code == 200, resp.text
+            if stream:
+                events = [
+                    json.loads(line[5:])
+                    for line in resp.text.splitlines()
+                    if line.startswith("data:") and line.strip() != "data: [DONE]"
+                ]
+                content = "".join(
+                    e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]
+                )
+                assert content == "" and events[-1]["choices"][0]["finish_reason"] == "stop"
+            else:
+                answer = resp.json()
+                assert answer["choices"][0]["message"]["content"] in ("", None)
+                assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            await wait_nothing_held(host)
+            assert host.scheduler is not None
+            erases = host.scheduler.statistics().erases
+            assert erases["sent_blind"] == 1 and erases["blind_unanswered"] == 0
+            calls, cached = await _turn(host, client, KEY2, prompt_cache_key=NAME)
+            assert calls == [CHAT_PATH] and cached > 0

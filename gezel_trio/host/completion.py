@@ -682,6 +682,8 @@ class CompletionService:
                             guarded,
                             slot=grant.slot_id,
                         )
+                        if guarded.answered:
+                            _answered_whole(grant, guarded.tail.counts())
                     finally:
                         job.progress.tell(grant)
                 if guarded.answered:
@@ -800,4 +802,15 @@ async def _assembled(
         status = code if isinstance(code, int) and 400 <= code < 600 else 500
         content = json.dumps(assembler.error, ensure_ascii=False, separators=(",", ":")).encode()
         return EngineAnswer(status, "application/json; charset=utf-8", content)
-    return assembler.result()
+    result = assembler.result()
+    _answered_whole(grant, token_counts(result))
+    return result
+
+
+def _answered_whole(grant: Grant, counts: Counts) -> None:
+    """A whole answer whose engine counted the prompt it read: the engine ran the
+    request on its slot, even when it generated no token (an end of generation
+    first), so a blind request emptied the slot first (``grant.answered``)."""
+    prompt = counts[0]
+    if prompt is not None and prompt > 0:
+        grant.answered()

@@ -56,8 +56,9 @@ class Grant:
     ``blind``: a job on a slot that may hold another job's KV (a keyless job, or an
     owner's job handed a slot without an erase); the caller must send it with
     ``cache_prompt`` off, so the engine reuses nothing the slot holds, and call
-    ``answered`` once the engine's first token came (the engine then cleared the slot
-    and it holds the job's own KV; without that call the slot stays unknown).
+    ``answered`` once the engine's first token came, or its whole answer counting the
+    prompt it read (the engine then cleared the slot and it holds the job's own KV;
+    without that call the slot stays unknown).
     ``erased`` says an acknowledged erase or restore of that slot preceded this
     grant; ``queue_wait_s`` is the time from the request to this grant (engine
     switch and preparation included); ``prepare_calls`` counts the upstream calls

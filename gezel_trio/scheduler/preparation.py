@@ -20,11 +20,12 @@ another owner of the caller does, that copy is restored into the job's slot firs
 nothing the slot held) and needs no erase before it. So is an owner's job on a slot
 that would otherwise be erased for it (``blind_handoff``): the engine empties the
 slot as it starts the request, which saves the erase's upstream call; the slot is
-the owner's once the engine's first token came (``grant.answered``), and unknown if
-none came. A job that carries its caller's lead (``job.lead``: a model that cannot cut
-a slot back, see :mod:`gezel_trio.kv.lead`) has a slot that holds nothing of its
-owner's started from that lead instead of erased: its snapshot restored, or the lead
-prefilled alone and saved as one; the slot then holds the lead as the owner's KV.
+the owner's once the engine answered it (``grant.answered``: its first token, or a
+whole answer that read the prompt), and unknown if it did not. A job that carries
+its caller's lead (``job.lead``: a model that cannot cut a slot back, see
+:mod:`gezel_trio.kv.lead`) has a slot that holds nothing of its owner's started from
+that lead instead of erased: its snapshot restored, or the lead prefilled alone and
+saved as one; the slot then holds the lead as the owner's KV.
 """
 
 from __future__ import annotations
