@@ -36,7 +36,7 @@ async def wait_healthy(
     """Poll the starting engine at ``base_url`` until ``path`` answers 200, ``exited``
     is set, ``stopping()`` is true or ``within`` seconds have passed; say which.
 
-    It polls fast while the socket comes up (5 ms, doubling), then every 100 ms; an
+    It polls fast while the socket comes up (5 ms, doubling), then every 20 ms; an
     exit ends the wait between polls at once. Cancellation abandons the wait.
     """
     delay = 0.005
@@ -51,7 +51,7 @@ async def wait_healthy(
             # Poll fast while the socket comes up, then back off gently.
             with trio.move_on_after(delay):
                 await exited.wait()
-            delay = min(delay * 2, 0.1)
+            delay = min(delay * 2, 0.02)
     return "timeout"
 
 
