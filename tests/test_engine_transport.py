@@ -153,6 +153,25 @@ async def test_other_requests_keep_their_connection_in_the_pool() -> None:
     assert client.pool.handled == 3  # type: ignore[attr-defined]
 
 
+async def test_idle_connections_are_closed_before_the_engine_is_told_to_stop() -> None:
+    """``drop_idle`` closes the pool's idle keep-alive connection to the engine (an
+    engine holding one is slow to exit after SIGTERM), and the next request opens
+    another: nothing is lost but the connection."""
+    ok = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+    async def answer(stream: trio.SocketStream) -> None:
+        await stream.send_all(ok)
+
+    async with serving(answer) as server, client_for(server) as client:
+        assert (await client.forward("POST", "/slots/0", body={})).content == b"{}"
+        assert server.connections == 1 and server.closed_by_client == 0
+        await client.drop_idle()
+        with trio.fail_after(5):
+            await server.wait_closed_by_client(1)
+        assert (await client.forward("POST", "/slots/0", body={})).content == b"{}"
+        assert server.connections == 2
+
+
 async def test_an_engine_that_closes_before_its_head_is_a_crash_and_not_retried() -> None:
     async def close(stream: trio.SocketStream) -> None:
         await stream.aclose()

@@ -53,6 +53,7 @@ from ..errors import (
     GezelError,
     QueueFull,
 )
+from .transport import EngineTransport
 
 __all__ = [
     "EngineClient",
@@ -337,6 +338,14 @@ class EngineClient:
 
     def __repr__(self) -> str:
         return f"<EngineClient {self.model_id} {self._endpoint.base_url or '-'}>"
+
+    async def drop_idle(self) -> None:
+        """Close the idle pooled connections to the engine (run before it is told to
+        stop: it then exits at once; see :meth:`.EngineTransport.drop_idle`). Nothing
+        to do for an engine not running or another transport."""
+        base = self._endpoint.base_url
+        if base is not None and isinstance(self._transport, EngineTransport):
+            await self._transport.drop_idle(base)
 
     # ------------------------------------------------------------------ plumbing
 

@@ -318,17 +318,28 @@ class Catalog:
                 home = Path(user) if user else default_slot_save_dir(config.state_dir, model.id)
                 self._kv.dirs.setdefault(model.id, home)
             self._arbiter.register_evictor(model.gpu_class, runtime.engine.stop, owner_id=model.id)
-            runtime.engine.before_stop = partial(self._park_before_stop, runtime)
+            runtime.engine.before_stop = partial(self._before_stop, runtime)
             if model.rpc:
                 runtime.engine.explain_exit = partial(_lost_rpc_workers, runtime)
         self.models[model.id] = runtime
 
+    async def _before_stop(self, runtime: ModelRuntime) -> None:
+        """What the supervisor runs before a planned stop (eviction, idle release,
+        pressure release, unload, shutdown) sends SIGTERM, within its deadline: the
+        sessions' KV parked (:meth:`_park_before_stop`), then the idle connections to
+        the engine closed, so that it exits at once. Cancellation (the stop's deadline)
+        ends it; the stop goes on."""
+        try:
+            await self._park_before_stop(runtime)
+        finally:
+            with trio.CancelScope(shield=True):
+                await runtime.client.drop_idle()
+
     async def _park_before_stop(self, runtime: ModelRuntime) -> None:
         """Save every session's KV that ``runtime``'s engine holds and that is not parked
-        yet: run by the supervisor before a planned stop (eviction, idle release,
-        pressure release, unload, shutdown) sends SIGTERM, within its deadline. The
-        time it adds to the stop shows in status and ``/metrics``. Cancellation (the
-        stop's deadline) ends the parking; the time spent is still counted."""
+        yet, within the stop's deadline. The time it adds to the stop shows in status
+        and ``/metrics``. Cancellation (the stop's deadline) ends the parking; the time
+        spent is still counted."""
         if self.scheduler is None or self._kv is None:
             return
         t0 = time.perf_counter()
