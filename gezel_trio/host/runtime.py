@@ -750,10 +750,12 @@ class ModelRuntime:
         """Make ``slot_id`` hold exactly ``lead`` (a caller's, :meth:`Lead.for_caller`):
         restore its snapshot when one is parked; else prefill the lead alone (sent with
         ``cache_prompt`` off: the engine empties the slot first) and save the slot as
-        the snapshot, under the parking budget like any parked copy. Each call within
-        ``within`` seconds. 0 tokens: it failed (logged); the slot is then unknown. A
+        the snapshot, under the parking budget like any parked copy. The restore and
+        the save each within ``within`` seconds; the prefill, which is the request's
+        own work done one call early, as long as a request may take (the engine's
+        read timeout). 0 tokens: it failed (logged); the slot is then unknown. A
         failed save leaves the lead in the slot (the tokens are returned, not saved).
-        Cancellation leaves the slot unknown."""
+        Cancellation (the client left) leaves the slot unknown."""
         kv, owner = self.kv, lead.owner
         if kv is None or not owner:
             return LeadStart(0, 0)
@@ -764,15 +766,13 @@ class ModelRuntime:
         if restored:
             return LeadStart(restored, 1, restored=True)
         body = {**lead.body, "id_slot": slot_id, "cache_prompt": False}
-        failure = f"no answer within {within:g}s"
         tokens = 0
-        with trio.move_on_after(within):
-            try:
-                answer = await self.client.forward("POST", lead.path, body=body, slot=slot_id)
-                tokens = _prompt_tokens(answer.json()) if answer.head.status == 200 else 0
-                failure = f"the engine answered {answer.head.status}: {answer.content[:200]!r}"
-            except Exception as exc:
-                failure = _reason(exc)
+        try:
+            answer = await self.client.forward("POST", lead.path, body=body, slot=slot_id)
+            tokens = _prompt_tokens(answer.json()) if answer.head.status == 200 else 0
+            failure = f"the engine answered {answer.head.status}: {answer.content[:200]!r}"
+        except Exception as exc:
+            failure = _reason(exc)
         if tokens <= 0:
             log.warning("lead prefill on %s slot %d failed: %s", self.id, slot_id, failure)
             return LeadStart(0, 1)

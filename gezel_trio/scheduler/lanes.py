@@ -99,7 +99,8 @@ class LeadLane(Protocol):
     async def start_lead(self, slot_id: int, lead: Lead, *, within: float = math.inf) -> LeadStart:
         """Make the slot hold exactly ``lead`` (a caller's, :meth:`Lead.for_caller`):
         restore its snapshot, or prefill the lead alone (the engine empties the slot
-        first) and save it as one, each within ``within`` seconds. 0 tokens: it failed
+        first) and save it as one; restore and save each within ``within`` seconds (the
+        prefill is the request's own work, done one call early). 0 tokens: it failed
         (logged) and the slot is unknown; a failed save alone still leaves the lead in
         the slot. Cancellation leaves the slot unknown."""
         ...

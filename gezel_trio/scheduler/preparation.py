@@ -277,7 +277,7 @@ class SlotPreparer:
 
     async def _lead(self, job: _TrioJob, lane: LeadLane) -> int:
         """Start the job's slot from its caller's lead (:meth:`LeadLane.start_lead`,
-        within ``park_timeout``): the upstream calls made. The slot then holds the
+        its restore or save within ``park_timeout``): the upstream calls made. The slot then holds the
         lead as the job's own KV (no parked copy of it); when that failed, the slot is
         unknown and the job is sent blind (``cache_prompt`` off), which empties it.
         Cancellation leaves the slot unknown."""
