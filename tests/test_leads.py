@@ -22,14 +22,13 @@ import trio
 from gezel_trio.config.schema import ModelConfig
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.engine.demo_model import write_demo_model
-from gezel_trio.host import Host
 from gezel_trio.host.completion import Completion, prompt_blocks, request_lead
 from gezel_trio.kv.lead import MIN_LEAD_CHARS, lead_owner
 from gezel_trio.kv.prefix import is_prefix
 
 from ._engine_bin import ENGINE_LIMITS, open_llama_server
 from .conftest import make_config, running
-from .fault_tools import wait_until
+from .test_caller_prefix import _idle, _parking
 
 SYSTEM = "You are a careful coding agent. Read before you write, and say what you did. " * 14
 TOOLS = [
@@ -175,22 +174,6 @@ async def _send(client: httpx.AsyncClient, key: str, session: str, body: dict[st
     )
     assert r.status_code == 200, r.text
     return int(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
-
-
-def _parking(host: Host) -> dict[str, int]:
-    assert host.scheduler is not None
-    return host.scheduler.statistics().parking
-
-
-async def _idle(host: Host) -> None:
-    scheduler = host.scheduler
-    assert scheduler is not None
-
-    def settled() -> bool:
-        stats = scheduler.statistics().as_dict()
-        return not stats["running"] and all(t["saving"] == 0 for t in stats["slots"].values())
-
-    await wait_until(settled, within=60, what="background saves settled")
 
 
 async def test_a_new_session_of_the_caller_starts_from_its_lead(
