@@ -277,10 +277,10 @@ class SlotPreparer:
 
     async def _lead(self, job: _TrioJob, lane: LeadLane) -> int:
         """Start the job's slot from its caller's lead (:meth:`LeadLane.start_lead`,
-        its restore or save within ``park_timeout``): the upstream calls made. The slot then holds the
-        lead as the job's own KV (no parked copy of it); when that failed, the slot is
-        unknown and the job is sent blind (``cache_prompt`` off), which empties it.
-        Cancellation leaves the slot unknown."""
+        its restore or save within ``park_timeout``): the upstream calls made. The slot
+        then holds the lead as the job's own KV (no parked copy of it); when that
+        failed, the slot is unknown and the job is sent blind (``cache_prompt`` off),
+        which empties it. Cancellation leaves the slot unknown."""
         slot, lead, session = job.slot_id, job.lead, job.session
         assert slot is not None and lead is not None and session is not None
         self._policy.table_of(job).sending(slot, job)
