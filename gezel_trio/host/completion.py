@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Protocol
 
 import trio
@@ -49,7 +50,7 @@ from ..engine.sse import SseDecoder
 from ..engine.supervisor import EngineState
 from ..engine.usage import Counts, StreamTail, generated_in, token_counts
 from ..errors import EngineAbandoned, EngineCrashed, EngineFailed, GezelError
-from ..kv.lead import Lead, lead_of
+from ..kv.lead import Lead, LeadOf, lead_of
 from ..kv.prefix import Header
 from ..kv.sessions import session_hash
 from ..scheduler import Grant, Prefix, prefix_blocks
@@ -441,7 +442,7 @@ class SlotSource(Protocol):
         keyless: bool,
         prefix: Prefix,
         caller: str | None = None,
-        lead: Lead | None = None,
+        lead: LeadOf | None = None,
     ) -> AbstractAsyncContextManager[tuple[ModelRuntime, Grant]]: ...
 
     def resolve_model(
@@ -513,7 +514,7 @@ class CompletionService:
             keyless=owner.keyless,
             prefix=prefix,
             caller=owner.caller,
-            lead=None if runtime.cuts_back else request_lead(completion),
+            lead=partial(request_lead, completion),
         )
 
     def _resend_to(self, failed: ModelRuntime, owner: Owner) -> ModelRuntime:
@@ -556,6 +557,10 @@ class CompletionService:
                 async with self._slot(runtime, owner, prefix, completion) as (runtime, grant):
                     progress.grant = grant
                     result = await _assembled(runtime, completion, grant, progress)
+                    counts: Counts = (None, None, None)
+                    if not isinstance(result, EngineAnswer):
+                        counts = token_counts(result)
+                        _answered_whole(grant, counts)  # before the slot is settled
                 break
             except (_NothingGenerated, EngineAbandoned):
                 # nothing of the answer reached the client: it may go elsewhere
@@ -567,9 +572,7 @@ class CompletionService:
                 )
                 self._resent += 1
                 runtime = self._resend_to(runtime, owner)
-        counts: Counts = (None, None, None)
         if not isinstance(result, EngineAnswer):
-            counts = token_counts(result)
             _verify_restore(runtime, grant, counts)
         return Answer(result, runtime, grant, counts, completion.clamps)
 
@@ -802,9 +805,7 @@ async def _assembled(
         status = code if isinstance(code, int) and 400 <= code < 600 else 500
         content = json.dumps(assembler.error, ensure_ascii=False, separators=(",", ":")).encode()
         return EngineAnswer(status, "application/json; charset=utf-8", content)
-    result = assembler.result()
-    _answered_whole(grant, token_counts(result))
-    return result
+    return assembler.result()
 
 
 def _answered_whole(grant: Grant, counts: Counts) -> None:

@@ -53,7 +53,7 @@ from ..gpu.ledger import (
 )
 from ..gpu.probe import DeviceHealth, NvmlProbe, Probe
 from ..images.job import ImageJob, ImageProgress, ImageResult
-from ..kv.lead import Lead
+from ..kv.lead import Lead, LeadOf
 from ..kv.prefix import shared_blocks
 from ..kv.sessions import SessionKeys
 from ..kv.store import KvStore, default_budget
@@ -381,7 +381,7 @@ class Host:
         keyless: bool = False,
         prefix: Prefix = (),
         caller: str | None = None,
-        lead: Lead | None = None,
+        lead: LeadOf | None = None,
         kind: JobKind = "completion",
         any_slot: bool = False,
         needs_slot: bool = True,
@@ -394,10 +394,11 @@ class Host:
         ``caller``: the owner's caller; the job may then start from a prefix another
         owner of that caller left in a slot, when ``[scheduler]
         share_prefix_within_caller`` is on and the engine cuts a slot back to a
-        shared prefix by itself (:attr:`ModelRuntime.cuts_back`). ``lead``: the
-        request's lead (:func:`~gezel_trio.kv.lead.lead_of`); on an engine that cannot
-        cut back, with sharing on, a slot holding nothing of the owner's starts from
-        the caller's snapshot of it (:meth:`_leading`).
+        shared prefix by itself (:attr:`ModelRuntime.cuts_back`). ``lead``: reads the
+        request's lead (:func:`~gezel_trio.kv.lead.lead_of`), called only where it
+        is used: on an engine that cannot cut back, with sharing on, a slot holding
+        nothing of the owner's starts from the caller's snapshot of it
+        (:meth:`_leading`).
 
         The block runs once the model is resident, its turn has come and the slot
         is prepared; the engine is held (no idle or pressure release) from
@@ -406,7 +407,7 @@ class Host:
         block; pin, lease and hold are released at scope exit on every path.
         """
         assert self.scheduler is not None, "the host is not open"
-        lead = self._leading(runtime, session, caller, lead)
+        leading = self._leading(runtime, session, caller, lead)
         caller = self._sharing(runtime, session, caller)
         return self.scheduler.slot(
             runtime.id,
@@ -415,7 +416,7 @@ class Host:
             prefix=prefix,
             caller=caller,
             parked=caller is not None and runtime.is_parked(session, prefix),
-            lead=lead,
+            lead=leading,
             kind=kind,
             any_slot=any_slot,
             needs_slot=needs_slot,
@@ -438,11 +439,12 @@ class Host:
         return caller
 
     def _leading(
-        self, runtime: ModelRuntime, session: str | None, caller: str | None, lead: Lead | None
+        self, runtime: ModelRuntime, session: str | None, caller: str | None, lead: LeadOf | None
     ) -> Lead | None:
-        """``lead`` as ``caller``'s when a job of ``session`` on ``runtime`` starts from
-        it (sharing within the caller on, an owner, an engine the host runs that cannot
-        cut a slot back but can save and restore one), else None."""
+        """The request's lead (``lead()``, read only here) as ``caller``'s when a job of
+        ``session`` on ``runtime`` starts from it (sharing within the caller on, an
+        owner, an engine the host runs that cannot cut a slot back but can save and
+        restore one), else None."""
         if (
             lead is None
             or caller is None
@@ -453,7 +455,8 @@ class Host:
             or not runtime.leads_enabled
         ):
             return None
-        return lead.for_caller(caller)
+        found = lead()
+        return None if found is None else found.for_caller(caller)
 
     @asynccontextmanager
     async def completion_slot(
@@ -464,7 +467,7 @@ class Host:
         keyless: bool = False,
         prefix: Prefix = (),
         caller: str | None = None,
-        lead: Lead | None = None,
+        lead: LeadOf | None = None,
     ) -> AsyncIterator[tuple[ModelRuntime, Grant]]:
         """``async with host.completion_slot(runtime, session=s) as (member, grant)``:
         :meth:`slot` for a completion, across a replicated model's members

@@ -31,7 +31,7 @@ from typing import Any
 
 from .prefix import Prefix
 
-__all__ = ["MIN_LEAD_CHARS", "BlocksOf", "Lead", "LeadStart", "lead_of", "lead_owner"]
+__all__ = ["MIN_LEAD_CHARS", "BlocksOf", "Lead", "LeadOf", "LeadStart", "lead_of", "lead_owner"]
 
 MIN_LEAD_CHARS = 1024
 """A lead shorter than this (its messages, instructions and tools as JSON) is not worth
@@ -92,6 +92,10 @@ class LeadStart:
     restored: bool = False
     saved: bool = False
 
+
+LeadOf = Callable[[], "Lead | None"]
+"""A request's lead, read when asked (:func:`lead_of` of its body): only a job that
+starts from a lead needs it."""
 
 BlocksOf = Callable[[list[Any], "str | None"], Prefix]
 """The blocks of a conversation (and a Responses request's instructions), cut as the
