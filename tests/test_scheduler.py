@@ -1510,21 +1510,52 @@ async def test_a_slot_whose_engine_failed_its_job_is_not_saved_in_the_background
     assert s.statistics().parking["saved_idle"] == 1 and "chat-1" in a.parked
 
 
-async def test_a_lone_owner_with_a_clean_slot_to_spare_is_not_saved_in_the_background(
+async def test_a_lone_owner_with_a_clean_slot_to_spare_is_saved_only_once_idle_a_while(
     autojump_clock: trio.testing.MockClock, pool: FakePool
 ) -> None:
     """Nobody else uses the model and a slot is free for a newcomer: saving every turn
-    would only make the owner's next turn wait. Once another owner shows up, it is."""
+    would only make the owner's next turn wait. Its slot is saved once it has stayed idle
+    ``save_lone_delay`` (a new session of its caller then finds the copy current); once
+    another owner shows up, at once."""
     a = ParkingFakeLane(pool, "a", parallel=2, park_time=0.5)
-    async with running({"a": a}) as h:
+    async with running({"a": a}, save_lone_delay=2.0) as h:
         s = h.scheduler
-        h.submit(a, session="chat-1", duration=1.0)
-        await trio.sleep(2.0)
+        t0 = trio.current_time()
+        h.submit(a, session="chat-1", duration=1.0)  # ends at 1
+        again = h.submit(a, at=1.5, session="chat-1", duration=1.0)  # ends at 2.5
+        await trio.sleep(4.0)  # idle 1.5 s: not yet
         assert s.statistics().parking["saved_idle"] == 0 and "chat-1" not in a.parked
-        h.submit(a, session="chat-2", duration=1.0)
+        await trio.sleep(1.5)  # saved 4.5 .. 5
+        assert s.statistics().parking["saved_idle"] == 1 and "chat-1" in a.parked
+        assert s.policy.table("a").slots[0].parked_current
+        other = h.submit(a, session="chat-2", duration=1.0)  # the clean slot: ends at 6.5
+        await trio.sleep(1.1)  # no slot is left fresh: chat-2's is saved at once
+        assert s.policy.table("a").saving(other_slot := 1) is not None
+        await trio.sleep(1.0)
+    assert again.start == t0 + 1.5  # it waited for no save
+    assert other.grant is not None and other.grant.slot_id == other_slot
+    assert s.statistics().parking["saved_idle"] == 2 and "chat-2" in a.parked
+    assert a.holds == 0
+
+
+async def test_a_lone_owner_used_again_within_save_lone_delay_is_not_saved(
+    autojump_clock: trio.testing.MockClock, pool: FakePool
+) -> None:
+    """An agent's turns come back sooner than ``save_lone_delay``: none of its slot's
+    versions is saved while it works, and ``inf`` saves a lone slot never."""
+    a = ParkingFakeLane(pool, "a", parallel=2, park_time=0.5)
+    async with running({"a": a}, save_lone_delay=1.0) as h:
+        for k in range(4):
+            h.submit(a, at=1.5 * k, session="chat-1", duration=1.0)  # idle 0.5 s between
+        await trio.sleep(5.5)  # the last ended at 5.5
+        assert h.scheduler.statistics().parking["saved_idle"] == 0
         await trio.sleep(2.0)
-    assert s.statistics().parking["saved_idle"] == 1  # chat-2's, with chat-1 around
-    assert "chat-1" not in a.parked and "chat-2" in a.parked
+        assert h.scheduler.statistics().parking["saved_idle"] == 1  # the last one's
+    b = ParkingFakeLane(pool, "b", parallel=2, park_time=0.5)
+    async with running({"b": b}, save_lone_delay=math.inf) as h:
+        h.submit(b, session="chat-1", duration=1.0)
+        await trio.sleep(100.0)
+        assert h.scheduler.statistics().parking["saved_idle"] == 0 and "chat-1" not in b.parked
 
 
 async def test_without_background_saves_a_handoff_makes_three_calls(

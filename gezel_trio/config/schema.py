@@ -128,6 +128,11 @@ class SchedulerConfig:
     handoff of that slot skips the save (restore and request: 2 upstream calls; the
     request alone to an emptied slot, with ``blind_handoff``)."""
     save_idle_delay: float = 0.0
+    save_lone_delay: float = 1.0
+    """Seconds a slot that no handoff is likely to take (a fresh or clean slot is left
+    for a newcomer) stays idle before it is saved anyway, so that a new session of its
+    caller, or its owner back after its engine stopped, finds its copy current; an
+    agent's own next turn, mostly sooner, waits for no save. ``inf``: never."""
     lock_model: bool = False
     keyless: KeylessMode = "shared"
     """Requests that name no session: ``shared``, one owner per caller (its prompt
@@ -536,6 +541,11 @@ def config_problems(
         cfg.scheduler.save_idle_delay >= 0,
         "scheduler.save_idle_delay",
         "expected seconds >= 0",
+    )
+    check(
+        cfg.scheduler.save_lone_delay >= 0,
+        "scheduler.save_lone_delay",
+        "expected seconds >= 0, or inf for never",
     )
     check(cfg.gpu.temp_margin_c >= 0, "gpu.temp_margin_c", "expected a number >= 0")
     indices = list(model_indices) if model_indices is not None else list(range(len(cfg.models)))

@@ -827,6 +827,7 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
                     kv_parking=sched.kv_parking,
                     save_idle_slots=sched.save_idle_slots,
                     save_idle_delay=sched.save_idle_delay,
+                    save_lone_delay=sched.save_lone_delay,
                 ),
             ) as scheduler:
                 host.scheduler = scheduler

@@ -19,6 +19,7 @@ a session's deletion erases the idle slots that hold its KV
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from gezel_trio.kv.prefix import Prefix
 from gezel_trio.scheduler.lanes import EngineLane, can_park
 from gezel_trio.scheduler.policy import SchedulerPolicy
 from gezel_trio.scheduler.settings import SchedulerSettings
-from gezel_trio.scheduler.slots import Content
+from gezel_trio.scheduler.slots import Content, SlotTable
 from gezel_trio.scheduler.trio_job import _TrioJob
 
 __all__ = ["SlotMaintenance"]
@@ -274,9 +275,19 @@ class SlotMaintenance:
         :meth:`save_when_idle`). Without ``save_idle_delay`` the save is decided, marked
         and holds the engine now, in the same step as the job's release (the caller's),
         so that between the job and its save the slot never looks unmarked nor the engine
-        idle; its I/O then runs in ``nursery``."""
+        idle; its I/O then runs in ``nursery``. A slot no handoff is likely to take is
+        saved only once it has stayed idle ``save_lone_delay``."""
         if self.settings.save_idle_delay > 0:
             nursery.start_soon(self.save_when_idle, model_id, lane, slot, released)
+            return
+        table = self._unsaved(model_id, lane, slot, released)
+        if table is None:
+            return
+        if not self._handoff_likely(model_id, table, slot):
+            if math.isfinite(self.settings.save_lone_delay):
+                nursery.start_soon(
+                    self._save_lone, model_id, lane, slot, released, self.settings.save_lone_delay
+                )
             return
         save = self._begin_idle_save(model_id, lane, slot, released)
         if save is None:
@@ -291,25 +302,48 @@ class SlotMaintenance:
         self, model_id: str, lane: EngineLane, slot: int, released: int
     ) -> None:
         """Save the KV an owner's job left in ``slot`` once nobody has used the slot for
-        ``save_idle_delay``, unless its parked copy is current already or no handoff
-        is likely (:meth:`SlotTable.handoff_likely`, or another owner waiting). The slot is
-        marked as being saved (not pinned): a job placed on it meanwhile waits for the
-        save (:meth:`SlotPreparer.prepare <.preparation.SlotPreparer.prepare>`), and
-        finds the copy current. A failed save is logged and counted (a handoff saves it
-        then). Cancellation (shutdown) cuts the save: the slot keeps its content, its
-        copy not current; the engine's file, if it wrote one, is deleted
-        (:meth:`ModelRuntime.park_slot
-        <gezel_trio.host.runtime.ModelRuntime.park_slot>`)."""
-        await trio.sleep(self.settings.save_idle_delay)
+        ``save_idle_delay``, unless its parked copy is current already; a slot that no
+        handoff is likely to take (:meth:`SlotTable.handoff_likely`, and no other owner
+        waiting) only once it has stayed idle ``save_lone_delay``. The slot is marked as
+        being saved (not pinned): a job placed on it meanwhile waits for the save
+        (:meth:`SlotPreparer.prepare <.preparation.SlotPreparer.prepare>`), and finds
+        the copy current. A failed save is logged and counted (a handoff saves it then).
+        Cancellation (shutdown) cuts the wait or the save: the slot keeps its content,
+        its copy not current; the engine's file, if it wrote one, is deleted
+        (:meth:`ModelRuntime.park_slot <gezel_trio.host.runtime.ModelRuntime.park_slot>`)."""
+        idle = self.settings.save_idle_delay
+        await trio.sleep(idle)
+        table = self._unsaved(model_id, lane, slot, released)
+        if table is None:
+            return
+        if not self._handoff_likely(model_id, table, slot):
+            lone = self.settings.save_lone_delay
+            if math.isfinite(lone):
+                await self._save_lone(model_id, lane, slot, released, max(lone - idle, 0.0))
+            return
         save = self._begin_idle_save(model_id, lane, slot, released)
         if save is not None:
             await self._run_idle_save(save)
 
-    def _begin_idle_save(
+    async def _save_lone(
+        self, model_id: str, lane: EngineLane, slot: int, released: int, after: float
+    ) -> None:
+        """Save ``slot`` once it has stayed idle ``after`` more seconds, though no handoff
+        is likely: a new session of its caller that shares its prefix, or its owner back
+        after its engine stopped, then finds its copy current instead of saving it on the
+        way (an agent's own next turn, which mostly comes sooner, waits for no save).
+        Cancellation (shutdown) cuts the wait or the save, as in :meth:`save_when_idle`."""
+        await trio.sleep(after)
+        save = self._begin_idle_save(model_id, lane, slot, released)
+        if save is not None:
+            await self._run_idle_save(save)
+
+    def _unsaved(
         self, model_id: str, lane: EngineLane, slot: int, released: int
-    ) -> _IdleSave | None:
-        """Decide whether to save ``slot`` now (no I/O); if so, mark it as being saved,
-        hold the engine and register the save (ended by :meth:`_end_idle_save`)."""
+    ) -> SlotTable | None:
+        """The table of ``slot`` when the slot still holds, unused since its job's release
+        (``released``), an owner's KV whose parked copy is not current (None: nothing to
+        save: used again since, made fresh by a restart, removed, or parked already)."""
         table = self._policy.served_table(model_id)
         if (
             table is None  # removed since (a reload)
@@ -321,10 +355,27 @@ class SlotMaintenance:
             return None  # used again since (or made fresh by a restart)
         assert can_park(lane)
         entry = table.slots[slot]
-        if entry.parked_current and lane.is_current(entry.session or "", entry.blocks):
+        if entry.content is not Content.OWNED or entry.session is None:
             return None
-        if not (table.handoff_likely(slot) or self._policy.others_waiting(model_id, entry.session)):
-            return None  # a lone owner with clean slots to spare: its handoff may never come
+        if entry.parked_current and lane.is_current(entry.session, entry.blocks):
+            return None
+        return table
+
+    def _handoff_likely(self, model_id: str, table: SlotTable, slot: int) -> bool:
+        """Whether ``slot`` may soon change hands (:meth:`SlotTable.handoff_likely`, or
+        another owner waiting): its save then goes ahead at once."""
+        session = table.slots[slot].session
+        return table.handoff_likely(slot) or self._policy.others_waiting(model_id, session)
+
+    def _begin_idle_save(
+        self, model_id: str, lane: EngineLane, slot: int, released: int
+    ) -> _IdleSave | None:
+        """Decide whether ``slot`` still needs its save (no I/O); if so, mark it as being
+        saved, hold the engine and register the save (ended by :meth:`_end_idle_save`)."""
+        table = self._unsaved(model_id, lane, slot, released)
+        if table is None:
+            return None
+        entry = table.slots[slot]
         mark = _Cleanup(model_id, slot)
         session = table.begin_save(slot, mark)
         if session is None:

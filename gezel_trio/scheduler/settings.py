@@ -21,7 +21,9 @@ class SchedulerSettings:
     ``erase_timeout`` and ``park_timeout`` bound one sample, one erase and one
     save or restore. ``save_idle_slots``: save an owner's slot in the background
     once it has stayed idle ``save_idle_delay`` seconds after its job (with
-    ``kv_parking``), so that a handoff finds its copy current. ``blind_handoff``: a
+    ``kv_parking``), so that a handoff finds its copy current; a slot no handoff is
+    likely to take (a fresh or clean slot is left for a newcomer) only once it has stayed
+    idle ``save_lone_delay`` (``inf``: never). ``blind_handoff``: a
     slot that must be emptied for its new owner is not erased; the request is sent
     with ``cache_prompt`` off instead, and the engine starts it from nothing (one
     upstream call per handoff, as on a bare engine).
@@ -42,6 +44,7 @@ class SchedulerSettings:
     idle_erase_delay: float = 0.1
     save_idle_slots: bool = True
     save_idle_delay: float = 0.0
+    save_lone_delay: float = 1.0
 
     def __post_init__(self) -> None:
         if self.slot_poll <= 0:
@@ -52,3 +55,5 @@ class SchedulerSettings:
             raise ValueError(f"idle_erase_delay must be >= 0, not {self.idle_erase_delay}")
         if self.save_idle_delay < 0:
             raise ValueError(f"save_idle_delay must be >= 0, not {self.save_idle_delay}")
+        if not self.save_lone_delay >= 0:  # (NaN too)
+            raise ValueError(f"save_lone_delay must be >= 0, not {self.save_lone_delay}")
