@@ -91,7 +91,10 @@ def choose_slot(
     otherwise: the request keeps more of the slot than it drops), else the most
     recently used one whose blocks or the request's are unknown. When every one of
     them holds another of the owner's conversations (sharing half of its blocks or
-    less), a fresh or clean slot goes first, so that the other conversation stays,
+    less), the slot of another owner of its caller that shares more of the request
+    than any of them (below) goes first (opencode's second session asks for a title,
+    then its task: the task starts from the first session's task, not from the
+    title's slot), then a fresh or clean slot, so that the other conversation stays,
     then the owner's slot sharing the most blocks (least recently used first); its
     KV is parked first and the owner's parked copy sharing the most blocks restored
     when that shares more (:meth:`SlotTable.preparation`). Otherwise, for a job that may share its
@@ -121,6 +124,23 @@ def choose_slot(
             slot,
         )
 
+    def shared() -> tuple[int, int] | None:
+        """The slot of another owner of ``caller`` sharing the most blocks, and how many."""
+        if caller is None or not prefix:
+            return None
+
+        def share(slot: int) -> int:
+            owner = table.owner(slot)
+            if owner is None or wanted(owner):
+                return 0
+            return table.shares_with(slot, session, caller, prefix)
+
+        shares = {slot: n for slot in free if (n := share(slot))}
+        if not shares:
+            return None
+        best = min(shares, key=lambda slot: (-shares[slot], *cost(slot)[1:]))
+        return best, shares[best]
+
     own = [slot for slot in free if session is not None and table.owner(slot) == session]
     if own:
 
@@ -138,21 +158,19 @@ def choose_slot(
         best = max(own, key=fit)
         if fit(best)[0] >= 0:
             return best
+        closest = max(
+            own, key=lambda s: (shared_blocks(table.blocks(s), prefix), -table.last_used(s))
+        )
+        other = shared()
+        if other is not None and other[1] > shared_blocks(table.blocks(closest), prefix):
+            return other[0]
         clean = [slot for slot in free if table.content(slot) in (Content.FRESH, Content.CLEAN)]
         if clean:
             return min(clean, key=cost)
-        return max(own, key=lambda s: (shared_blocks(table.blocks(s), prefix), -table.last_used(s)))
-    if caller is not None and prefix:
-
-        def share(slot: int) -> int:
-            owner = table.owner(slot)
-            if owner is None or wanted(owner):
-                return 0
-            return table.shares_with(slot, session, caller, prefix)
-
-        shares = {slot: n for slot in free if (n := share(slot))}
-        if shares:
-            return min(shares, key=lambda slot: (-shares[slot], *cost(slot)[1:]))
+        return closest
+    other = shared()
+    if other is not None:
+        return other[0]
     return min(free, key=cost)
 
 
