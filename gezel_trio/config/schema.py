@@ -128,7 +128,7 @@ class SchedulerConfig:
     handoff of that slot skips the save (restore and request: 2 upstream calls; the
     request alone to an emptied slot, with ``blind_handoff``)."""
     save_idle_delay: float = 0.0
-    save_lone_delay: float = 1.0
+    save_lone_delay: float = 0.1
     """Seconds a slot that no handoff is likely to take (a fresh or clean slot is left
     for a newcomer) stays idle before it is saved anyway, so that a new session of its
     caller, or its owner back after its engine stopped, finds its copy current; an

@@ -44,7 +44,7 @@ class SchedulerSettings:
     idle_erase_delay: float = 0.1
     save_idle_slots: bool = True
     save_idle_delay: float = 0.0
-    save_lone_delay: float = 1.0
+    save_lone_delay: float = 0.1
 
     def __post_init__(self) -> None:
         if self.slot_poll <= 0:
