@@ -15,6 +15,7 @@ a bare one, for the count a parked copy must give).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from gezel_trio.scheduler.admission import Admit, Load, choose_slot
 from gezel_trio.scheduler.policy import SchedulerPolicy
 from gezel_trio.scheduler.queues import Job
 from gezel_trio.scheduler.replicas import ReplicaRouter
-from gezel_trio.scheduler.slots import Content, Preparation, SlotTable
+from gezel_trio.scheduler.slots import SHORT_TAIL_BLOCKS, Content, Preparation, SlotTable
 
 from ._engine_bin import ENGINE_LIMITS, open_llama_server
 from .conftest import make_config, running
@@ -71,7 +72,7 @@ def _table(*owners: tuple[str, str | None, tuple[int, ...]]) -> SlotTable:
 
 @pytest.mark.parametrize("parking", [True, False])
 def test_another_owner_of_the_caller_is_parked_not_erased(parking: bool) -> None:
-    table = _table((ANN_1, ANN, _blocks("one")))
+    table = _table((ANN_1, ANN, _blocks("one", "and what followed")))
     two = _blocks("two")
     assert table.shares_with(0, ANN_2, ANN, two) == len(SYSTEM) + 1  # and the user header
     assert table.safe_for(0, ANN_2, ANN, two)
@@ -116,6 +117,35 @@ def test_another_owner_of_the_caller_is_parked_not_erased(parking: bool) -> None
         parked_shares=less.get,
     )
     assert prep == Preparation(park=ANN_1)
+
+
+def test_a_short_tail_beyond_the_shared_prefix_is_not_saved_first() -> None:
+    """Codex's second session differs from its first in its last message alone: the slot
+    keeps all but that, and the save of the whole slot is skipped (counted apart)."""
+    table = _table((ANN_1, ANN, _blocks("one")))  # ..., user header, "one"
+    two = _blocks("two")
+    assert len(_blocks("one")) - table.shares_with(0, ANN_2, ANN, two) == SHORT_TAIL_BLOCKS
+    prep = table.preparation(0, ANN_2, parking=True, caller=ANN, prefix=two)
+    assert prep == Preparation(drop_tail=True) and prep.calls == 0
+    # its own copy sharing more replaces the slot's whole content: the owner is parked
+    more = {ANN_2: len(_blocks("two", "more"))}
+    prep = table.preparation(
+        0,
+        ANN_2,
+        parking=True,
+        caller=ANN,
+        is_parked=more.__contains__,
+        prefix=_blocks("two", "more"),
+        parked_shares=more.get,
+    )
+    assert prep == Preparation(park=ANN_1, restore=True)
+    # a longer tail is saved first
+    table = _table((ANN_1, ANN, _blocks("one", "and more")))
+    prep = table.preparation(0, ANN_2, parking=True, caller=ANN, prefix=two)
+    assert prep == Preparation(park=ANN_1)
+    # never across callers: Bea's request shares nothing, the slot is parked and erased
+    prep = table.preparation(0, BEA_1, parking=True, caller=BEA, prefix=two)
+    assert prep == Preparation(park=ANN_1, erase=True)
 
 
 def test_never_across_callers_nor_without_a_caller() -> None:
@@ -173,9 +203,12 @@ def test_a_parked_copy_of_the_caller_is_lent_when_no_slot_shares_as_much() -> No
     table.slots[0].hold(Content.KEYLESS)
     assert prep(table, ANN_2, ANN) == Preparation(lend=ANN_1)
     # a slot of the caller sharing as much is used as it is; sharing less, the copy wins
-    table = _table((ANN_3, ANN, _blocks("one")))
+    table = _table((ANN_3, ANN, _blocks("one", "and more")))
     assert prep(table, ANN_2, ANN) == Preparation(park=ANN_3)
+    short = _table((ANN_3, ANN, _blocks("one")))  # its tail not worth a save
+    assert prep(short, ANN_2, ANN) == Preparation(drop_tail=True)
     copy = (ANN_1, len(SYSTEM) + 2)
+    assert prep(short, ANN_2, ANN) == Preparation(park=ANN_3, lend=ANN_1)
     assert prep(table, ANN_2, ANN) == Preparation(park=ANN_3, lend=ANN_1)
     # once restored, the slot holds chat-1's KV, current: nothing more to do
     job = object()
@@ -426,8 +459,9 @@ async def test_a_new_session_of_the_caller_starts_from_its_prefix(
 ) -> None:
     """Two slots. Ann's second session (and her keyless request) go to the slot her
     first left, with its system prompt: the engine reuses exactly the prefix the two
-    prompts share. Bea's sessions take the other slot; her second shares her first's."""
-    cfg = _config(tiny_model, state_dir, engine_binary, parallel=2)
+    prompts share. Bea's sessions take the other slot; her second shares her first's.
+    (Each slot is saved as soon as its request ends: ``save_lone_delay`` 0.)"""
+    cfg = _config(tiny_model, state_dir, engine_binary, parallel=2, save_lone_delay=0.0)
     with trio.fail_after(180):
         async with running(cfg) as (host, client):
             assert host.models["tiny"].cuts_back
@@ -447,6 +481,27 @@ async def test_a_new_session_of_the_caller_starts_from_its_prefix(
             cached, _ = await _send(client, KEY_ANN, [*_prompt(1), 7, 8], "chat-1")
             assert cached >= len(_prompt(1)) - 1
             assert host.models["tiny"].kv_stats.restores >= 1
+
+
+async def test_a_short_tail_is_not_saved_and_its_owner_starts_from_the_prefix_kept(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    """Codex's shape: a second session right after the first, differing in its last
+    message alone (less than a block). The first's slot is not saved first: the second
+    starts from the prefix they share, and the first, back, from the same prefix, which
+    the slot kept; the engine says so in both."""
+    cfg = _config(tiny_model, state_dir, engine_binary, parallel=2, save_lone_delay=math.inf)
+    with trio.fail_after(180):
+        async with running(cfg) as (host, client):
+            assert (await _send(client, KEY_ANN, _prompt(1), "chat-1"))[0] == 0
+            await _idle(host)
+            await _shares_exactly(client, KEY_ANN, _prompt(1), _prompt(2), "chat-2")
+            parking = _parking(host)
+            assert parking["save_skipped_tail"] == 1 and parking["saved"] == 0
+            await _idle(host)
+            back = [*_prompt(1), 7, 8]
+            cached = await _shares_exactly(client, KEY_ANN, _prompt(2), back, "chat-1")
+            assert cached >= len(SHARED) - BLOCK
 
 
 async def test_a_session_that_asked_for_a_title_first_starts_its_task_warm(

@@ -165,6 +165,7 @@ class SchedulerPolicy:
         self.blind_unanswered = 0  # of those, the engine answered no token: slot unknown
         self.parks_saved = 0
         self.parks_skipped = 0  # the parked copy was still current
+        self.parks_skipped_tail = 0  # a short tail beyond a shared prefix, not saved
         self.parks_restored = 0
         self.parks_failed = 0
         self.parks_idle = 0  # saved in the background once the slot went idle
@@ -857,9 +858,13 @@ class SchedulerPolicy:
         else:
             self.parks_saved += 1
 
-    def note_park_skipped(self) -> None:
-        """A handoff found the outgoing owner's parked copy current: no save."""
-        self.parks_skipped += 1
+    def note_park_skipped(self, *, tail: bool = False) -> None:
+        """A handoff found the outgoing owner's parked copy current (``tail``: its short
+        tail beyond the prefix its slot keeps not worth saving): no save."""
+        if tail:
+            self.parks_skipped_tail += 1
+        else:
+            self.parks_skipped += 1
 
     def note_lead(self, start: LeadStart) -> None:
         """A slot was started from its job's lead (see :mod:`gezel_trio.kv.lead`)."""
@@ -957,6 +962,7 @@ class SchedulerPolicy:
             parking={
                 "saved": self.parks_saved,
                 "save_skipped_current": self.parks_skipped,
+                "save_skipped_tail": self.parks_skipped_tail,
                 "restored": self.parks_restored,
                 "failed": self.parks_failed,
                 "saved_idle": self.parks_idle,

@@ -201,7 +201,8 @@ class SlotPreparer:
             shared = bool(table.shares_with(slot, job.session, job.caller, prefix))
             shared = shared and not prep.restore
             if parking and owner is not None and owner != job.session and prep.park is None:
-                self._policy.note_park_skipped()  # its parked copy is still current
+                # its parked copy is still current, or its tail is not worth a save
+                self._policy.note_park_skipped(tail=prep.drop_tail)
             if (
                 parking
                 and calls == 0

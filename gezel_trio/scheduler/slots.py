@@ -175,13 +175,17 @@ class Preparation:
     isolates it); ``lend``: the parked copy of that other owner of the job's caller
     replaces it (the job then starts from the prefix the two share: the engine cuts
     the slot back to it); ``erase``: the slot must be erased. At most one of
-    ``restore``, ``lend`` and ``erase`` is set.
+    ``restore``, ``lend`` and ``erase`` is set. ``drop_tail``: the outgoing owner is
+    not parked although its copy is stale (see the field).
     """
 
     park: str | None = None
     restore: bool = False
     erase: bool = False
     lend: str | None = None
+    drop_tail: bool = False
+    """The slot's owner (another of the job's caller) loses its unsaved tail beyond the
+    prefix the job shares: at most :data:`SHORT_TAIL_BLOCKS` blocks, not worth a save."""
 
     @property
     def calls(self) -> int:
@@ -194,6 +198,14 @@ class Preparation:
 
 
 NOTHING_TO_PREPARE = Preparation()
+
+SHORT_TAIL_BLOCKS = 1
+"""How many blocks beyond the prefix a request of its caller shares a slot may hold and
+still go to that request without a save first: the engine keeps the shared prefix in the
+slot (the owner may start from it again, as any owner of its caller may), and the tail
+is one message and the answer to it. Codex's second ``codex exec`` differs from the
+first in its last message alone, and the save of the first's 4.6k tokens (105 MB)
+made it wait 40 ms; a bare llama-server copies the slot to its RAM cache instead."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,7 +404,9 @@ class SlotTable:
         ``caller``: the job may share its caller's prefixes (:meth:`SlotEntry.shares_with`).
         A slot holding another owner's KV of that caller that shares blocks of
         ``prefix`` (more than message headers) is not erased: that owner's
-        KV is parked first (unless current), and the job's own copy restored unless
+        KV is parked first (unless current, or it holds at most
+        :data:`SHORT_TAIL_BLOCKS` beyond the shared prefix and the slot keeps that
+        prefix: ``drop_tail``), and the job's own copy restored unless
         the slot shares more blocks with the request (a tie goes to the copy: blocks
         are whole pieces, and the copy may hold more of the last one); else the
         request goes onto the slot as it is and the engine keeps only the prefix they
@@ -451,7 +465,15 @@ class SlotTable:
             if restore and parked_shares is not None:
                 shares = parked_shares(session)
                 restore = shares is not None and shares >= shared
-            return Preparation(park=park, restore=restore, lend=None if restore else lend(shared))
+            lender = None if restore else lend(shared)
+            if (
+                park is not None
+                and not restore
+                and lender is None
+                and len(entry.blocks) - shared <= SHORT_TAIL_BLOCKS
+            ):
+                return Preparation(drop_tail=True)  # the slot keeps the shared prefix
+            return Preparation(park=park, restore=restore, lend=lender)
         if parking and is_parked(session):
             return Preparation(park=park, restore=True)
         lender = lend(0)

@@ -37,7 +37,8 @@ class SchedulerStats:
     # background saves in flight)
     erases: dict[str, int]  # ok, failed, skipped_same_session, after_keyless, sent_blind,
     # blind_unanswered
-    parking: dict[str, int]  # saved, save_skipped_current, restored, failed, saved_idle,
+    parking: dict[str, int]  # saved, save_skipped_current, save_skipped_tail (a short tail
+    # beyond a prefix its slot keeps, not saved), restored, failed, saved_idle,
     # handoffs, handoff_calls (upstream calls of those handoffs, their requests included),
     # shared_within_caller (handoffs that kept the prefix another owner of the caller left),
     # lent_within_caller (restores of another owner's parked copy of the caller, to start from),
