@@ -240,6 +240,24 @@ def show(results: list[dict[str, Any]]) -> None:
         )
 
 
+def _request_cell(session: dict[str, Any], n: int) -> str:
+    """Request ``n`` of ``session``: cached/prompt and TTFT."""
+    if n >= len(session["all"]):
+        return "-"
+    (prompt, cached), ttft = session["all"][n], session["ttft_all"][n]
+    return f"{cached}/{prompt} " + ("-" if ttft is None else f"{ttft:.2f}s")
+
+
+def show_all(results: list[dict[str, Any]]) -> None:
+    """Every model request of the second session, on both: cached/prompt and TTFT."""
+    print("\nsecond session, every request: cached/prompt TTFT, direct | host")
+    for r in results:
+        d, h = r["direct"][1], r["host"][1]
+        for n in range(max(len(d["all"]), len(h["all"]))):
+            direct, host = _request_cell(d, n), _request_cell(h, n)
+            print(f"{r['client']:<9} #{n + 1}  {direct:>22} | {host:<22}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--clients", default=",".join(CLIENTS))
@@ -290,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}:", flush=True)
                 results.append(trio.run(bench_client, name, urls, root))
     show(results)
+    show_all(results)
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / "new_sessions.json"
     path.write_text(json.dumps({"results": results}, indent=1))
