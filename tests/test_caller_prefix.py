@@ -460,8 +460,16 @@ async def test_a_new_session_of_the_caller_starts_from_its_prefix(
     """Two slots. Ann's second session (and her keyless request) go to the slot her
     first left, with its system prompt: the engine reuses exactly the prefix the two
     prompts share. Bea's sessions take the other slot; her second shares her first's.
-    (Each slot is saved as soon as its request ends: ``save_lone_delay`` 0.)"""
-    cfg = _config(tiny_model, state_dir, engine_binary, parallel=2, save_lone_delay=0.0)
+    (Each slot is saved as soon as its request ends: ``save_idle_delay`` and
+    ``save_lone_delay`` 0, so that each save is in flight when its request returns.)"""
+    cfg = _config(
+        tiny_model,
+        state_dir,
+        engine_binary,
+        parallel=2,
+        save_idle_delay=0.0,
+        save_lone_delay=0.0,
+    )
     with trio.fail_after(180):
         async with running(cfg) as (host, client):
             assert host.models["tiny"].cuts_back

@@ -341,8 +341,10 @@ async def running(lanes: dict[str, FakeLane], **options: Any) -> AsyncIterator[H
     """A scheduler plus a nursery for the test's submitters, bounded in virtual time
     (so a test of a broken scheduler fails instead of hanging). Handoffs erase unless
     a test asks for ``blind_handoff``: most tests here check the erase path (the
-    ``[scheduler] blind_handoff = false`` configuration)."""
+    ``[scheduler] blind_handoff = false`` configuration); a background save starts as
+    its job is released unless a test asks for ``save_idle_delay``."""
     options.setdefault("blind_handoff", False)
+    options.setdefault("save_idle_delay", 0.0)  # a save at the release, in the same step
     with trio.fail_after(1000):
         settings = SchedulerSettings(**options)
         async with open_scheduler(lanes=lanes, settings=settings) as s, trio.open_nursery() as n:

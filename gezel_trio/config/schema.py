@@ -127,7 +127,7 @@ class SchedulerConfig:
     ended and the slot stayed idle ``save_idle_delay`` seconds, so that the next
     handoff of that slot skips the save (restore and request: 2 upstream calls; the
     request alone to an emptied slot, with ``blind_handoff``)."""
-    save_idle_delay: float = 0.0
+    save_idle_delay: float = 0.05
     save_lone_delay: float = 0.1
     """Seconds a slot that no handoff is likely to take (a fresh or clean slot is left
     for a newcomer) stays idle before it is saved anyway, so that a new session of its

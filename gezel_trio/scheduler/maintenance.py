@@ -283,11 +283,10 @@ class SlotMaintenance:
         table = self._unsaved(model_id, lane, slot, released)
         if table is None:
             return
-        if not self._handoff_likely(model_id, table, slot):
-            if math.isfinite(self.settings.save_lone_delay):
-                nursery.start_soon(
-                    self._save_lone, model_id, lane, slot, released, self.settings.save_lone_delay
-                )
+        lone = self.settings.save_lone_delay
+        if lone > 0 and not self._handoff_likely(model_id, table, slot):
+            if math.isfinite(lone):
+                nursery.start_soon(self._save_lone, model_id, lane, slot, released, lone)
             return
         save = self._begin_idle_save(model_id, lane, slot, released)
         if save is None:
@@ -333,7 +332,8 @@ class SlotMaintenance:
         after its engine stopped, then finds its copy current instead of saving it on the
         way (an agent's own next turn, which mostly comes sooner, waits for no save).
         Cancellation (shutdown) cuts the wait or the save, as in :meth:`save_when_idle`."""
-        await trio.sleep(after)
+        if after > 0:
+            await trio.sleep(after)
         save = self._begin_idle_save(model_id, lane, slot, released)
         if save is not None:
             await self._run_idle_save(save)

@@ -43,7 +43,7 @@ class SchedulerSettings:
     reconcile_interval: float = 5.0
     idle_erase_delay: float = 0.1
     save_idle_slots: bool = True
-    save_idle_delay: float = 0.0
+    save_idle_delay: float = 0.05
     save_lone_delay: float = 0.1
 
     def __post_init__(self) -> None:
