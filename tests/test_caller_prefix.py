@@ -67,6 +67,21 @@ def _table(*owners: tuple[str, str | None, tuple[int, ...]]) -> SlotTable:
     return table
 
 
+def _prep_with_copy(table: SlotTable, shares: int, prefix: tuple[int, ...]) -> Preparation:
+    """What Ann's chat-2 needs done to slot 0 for ``prefix`` when it has a parked copy
+    sharing ``shares`` blocks of it (parking on, its caller's prefixes shared)."""
+    copy = {ANN_2: shares}
+    return table.preparation(
+        0,
+        ANN_2,
+        parking=True,
+        caller=ANN,
+        is_parked=copy.__contains__,
+        prefix=prefix,
+        parked_shares=copy.get,
+    )
+
+
 # --------------------------------------------------------------------------- preparation
 
 
@@ -84,38 +99,12 @@ def test_another_owner_of_the_caller_is_parked_not_erased(parking: bool) -> None
     prep = table.preparation(0, ANN_2, parking=parking, caller=ANN, prefix=_blocks("two"))
     assert prep == Preparation(park=ANN_1 if parking else None)
     # its own parked copy, when it shares more than the slot does, is restored instead
-    more = {ANN_2: len(_blocks("two", "more"))}
-    prep = table.preparation(
-        0,
-        ANN_2,
-        parking=True,
-        caller=ANN,
-        is_parked=more.__contains__,
-        prefix=_blocks("two", "more"),
-        parked_shares=more.get,
-    )
+    prep = _prep_with_copy(table, len(_blocks("two", "more")), _blocks("two", "more"))
     assert prep == Preparation(park=ANN_1, restore=True)
-    same = {ANN_2: len(_blocks("two")) - 1}  # shares the system prompt, as the slot does
-    prep = table.preparation(
-        0,
-        ANN_2,
-        parking=True,
-        caller=ANN,
-        is_parked=same.__contains__,
-        prefix=_blocks("two"),
-        parked_shares=same.get,
-    )
+    # a copy sharing the system prompt, as the slot does
+    prep = _prep_with_copy(table, len(_blocks("two")) - 1, _blocks("two"))
     assert prep == Preparation(park=ANN_1, restore=True)  # a tie: its own copy
-    less = {ANN_2: 1}
-    prep = table.preparation(
-        0,
-        ANN_2,
-        parking=True,
-        caller=ANN,
-        is_parked=less.__contains__,
-        prefix=_blocks("two"),
-        parked_shares=less.get,
-    )
+    prep = _prep_with_copy(table, 1, _blocks("two"))
     assert prep == Preparation(park=ANN_1)
 
 
@@ -128,16 +117,7 @@ def test_a_short_tail_beyond_the_shared_prefix_is_not_saved_first() -> None:
     prep = table.preparation(0, ANN_2, parking=True, caller=ANN, prefix=two)
     assert prep == Preparation(drop_tail=True) and prep.calls == 0
     # its own copy sharing more replaces the slot's whole content: the owner is parked
-    more = {ANN_2: len(_blocks("two", "more"))}
-    prep = table.preparation(
-        0,
-        ANN_2,
-        parking=True,
-        caller=ANN,
-        is_parked=more.__contains__,
-        prefix=_blocks("two", "more"),
-        parked_shares=more.get,
-    )
+    prep = _prep_with_copy(table, len(_blocks("two", "more")), _blocks("two", "more"))
     assert prep == Preparation(park=ANN_1, restore=True)
     # a longer tail is saved first
     table = _table((ANN_1, ANN, _blocks("one", "and more")))
