@@ -288,7 +288,7 @@ class SlotMaintenance:
             if math.isfinite(lone):
                 nursery.start_soon(self._save_lone, model_id, lane, slot, released, lone)
             return
-        save = self._begin_idle_save(model_id, lane, slot, released)
+        save = self._begin_idle_save(model_id, lane, table, slot)
         if save is None:
             return
         try:
@@ -320,7 +320,7 @@ class SlotMaintenance:
             if math.isfinite(lone):
                 await self._save_lone(model_id, lane, slot, released, max(lone - idle, 0.0))
             return
-        save = self._begin_idle_save(model_id, lane, slot, released)
+        save = self._begin_idle_save(model_id, lane, table, slot)
         if save is not None:
             await self._run_idle_save(save)
 
@@ -334,7 +334,8 @@ class SlotMaintenance:
         Cancellation (shutdown) cuts the wait or the save, as in :meth:`save_when_idle`."""
         if after > 0:
             await trio.sleep(after)
-        save = self._begin_idle_save(model_id, lane, slot, released)
+        table = self._unsaved(model_id, lane, slot, released)
+        save = None if table is None else self._begin_idle_save(model_id, lane, table, slot)
         if save is not None:
             await self._run_idle_save(save)
 
@@ -368,13 +369,11 @@ class SlotMaintenance:
         return table.handoff_likely(slot) or self._policy.others_waiting(model_id, session)
 
     def _begin_idle_save(
-        self, model_id: str, lane: EngineLane, slot: int, released: int
+        self, model_id: str, lane: EngineLane, table: SlotTable, slot: int
     ) -> _IdleSave | None:
-        """Decide whether ``slot`` still needs its save (no I/O); if so, mark it as being
-        saved, hold the engine and register the save (ended by :meth:`_end_idle_save`)."""
-        table = self._unsaved(model_id, lane, slot, released)
-        if table is None:
-            return None
+        """Mark ``slot`` of ``table`` (found :meth:`_unsaved` in this step) as being saved,
+        hold the engine and register the save, ended by :meth:`_end_idle_save` (no I/O;
+        None: the slot cannot be marked)."""
         entry = table.slots[slot]
         mark = _Cleanup(model_id, slot)
         session = table.begin_save(slot, mark)
