@@ -14,7 +14,12 @@ and against the engine. No request the engine serves may be refused by the host,
 must count the same prompt tokens. Ollama-route requests have no engine counterpart (bare
 llama-server has no Ollama API): they are checked against the host alone.
 
-The clients run one at a time (they are heavy); each run is bounded by ``fail_after``.
+The clients run one at a time (they are heavy); each turn is bounded by
+:data:`TURN_TIMEOUT`. Both engines, the bare one and the host's, run with the same default
+output bound (:data:`ENGINE_N_PREDICT`, set as an operator would, through llama.cpp's own
+``LLAMA_ARG_N_PREDICT``): Codex asks for no output limit, and SmolLM2 sometimes talks until
+its context is full, which with tools in the request slows the engine's stream to a few
+tokens a second (a turn of over 300 s). A request that gives its own limit keeps it.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import trio
 
@@ -45,6 +51,9 @@ pytestmark = pytest.mark.engine
 # tokens; a turn may also make several requests (Claude Code continues a cut answer)
 TURN_TIMEOUT = 300.0
 CACHE_AIM = 0.9
+ENGINE_N_PREDICT = "512"
+ENGINE_ENV = {"LLAMA_ARG_N_PREDICT": ENGINE_N_PREDICT}
+"""The engines' default output bound (see the module's docstring)."""
 MODEL_PATHS = (
     "/v1/messages",
     "/v1/responses",
@@ -74,6 +83,22 @@ def _wait_health(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: fl
         time.sleep(0.1)
 
 
+def _assert_output_bound(host: subprocess.Popen[bytes], url: str) -> None:
+    """The host's engine (started by a one-token request) runs with the tests' output
+    bound in its environment (``/props`` shows a slot's defaults, not the server's)."""
+    body = {"model": "smollm2", "prompt": "Hi", "max_tokens": 1}
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code == 200
+    engines = [
+        p
+        for p in psutil.Process(host.pid).children(recursive=True)
+        if "llama-server" in " ".join(p.cmdline())
+    ]
+    assert engines, "the host runs no llama-server"
+    for engine in engines:
+        value = engine.environ().get("LLAMA_ARG_N_PREDICT")
+        assert value == ENGINE_N_PREDICT, f"the host's engine has LLAMA_ARG_N_PREDICT={value}"
+
+
 @pytest.fixture(scope="module")
 def engine_url(
     engine_binary: EngineBinary, smollm2: Path, tmp_path_factory: pytest.TempPathFactory
@@ -86,6 +111,7 @@ def engine_url(
             [str(engine_binary.path), "-m", str(smollm2), "--jinja", "--port", str(port)],
             stdout=out,
             stderr=subprocess.STDOUT,
+            env={**os.environ, **ENGINE_ENV},
         )
         try:
             url = f"http://127.0.0.1:{port}"
@@ -101,9 +127,10 @@ def host_url(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     """``gezel-trio serve --model smollm2.gguf``: the host with its defaults, nothing else."""
     port = _free_port()
     folder = tmp_path_factory.mktemp("host")
-    env = dict(os.environ, XDG_STATE_HOME=str(folder / "state"))
+    env = {**os.environ, **ENGINE_ENV, "XDG_STATE_HOME": str(folder / "state")}
     args = ["--model", str(smollm2), "--port", str(port), "--log-format", "json"]
-    with serve_process(args, port, folder / "host.log", env=env):
+    with serve_process(args, port, folder / "host.log", env=env) as host:
+        _assert_output_bound(host, f"http://127.0.0.1:{port}")
         yield f"http://127.0.0.1:{port}"
 
 
