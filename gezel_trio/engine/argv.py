@@ -27,7 +27,14 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "--n-gpu-layers": ("--n-gpu-layers", "-ngl", "--gpu-layers"),
     "--cache-type-k": ("--cache-type-k", "-ctk"),
     "--cache-type-v": ("--cache-type-v", "-ctv"),
+    "--batch-size": ("--batch-size", "-b"),
+    "--ubatch-size": ("--ubatch-size", "-ub"),
+    "--tensor-split": ("--tensor-split", "-ts"),
+    "--device": ("--device", "-dev"),
 }
+
+DEFAULT_UBATCH = 512
+"""llama-server's physical batch (``--ubatch-size``) when no flag sets it."""
 
 # Flags that shape the KV cache, so decide whether a saved slot file loads again.
 _KV_VALUE_FLAGS = ("--cache-type-k", "--cache-type-v")
@@ -121,6 +128,33 @@ def arg_problems(args: Sequence[str]) -> list[str]:
         if flag == "--parallel" and number < 1:
             out.append("--parallel must be at least 1 (the host schedules slots)")
     return out
+
+
+def batch_flags(args: Sequence[str]) -> list[str]:
+    """``--batch-size`` equal to the physical batch that ``args`` (the engine's other
+    flags) give, :data:`DEFAULT_UBATCH` when they give none; nothing when they set
+    ``--batch-size`` themselves or spread the model over several devices.
+
+    llama-server runs its queue (a new request, a slot save, restore or erase, ``/slots``)
+    between two decode calls only, and one call takes up to ``--batch-size`` tokens of
+    prompt (2,048 by default), computed ``--ubatch-size`` (512) at a time: a handoff's
+    slot calls waited for up to four pieces of another slot's prefill (measured on
+    SmolLM2 on 2 CPU cores: an erase during a 1,900-token prefill answered after the
+    whole 8 s of it; after 1.8 s with the two equal, the prefill as fast). On several
+    devices the pieces of one call run as a pipeline across them, which this would
+    stop: there the engine's default stays."""
+    if last_arg_value(args, "--batch-size") is not None or _several_devices(args):
+        return []
+    return ["--batch-size", last_arg_value(args, "--ubatch-size") or str(DEFAULT_UBATCH)]
+
+
+def _several_devices(args: Sequence[str]) -> bool:
+    """Whether ``args`` spread the model over more than one device: a tensor split, RPC
+    workers, or a ``--device`` list of more than one."""
+    if any(last_arg_value(args, flag) is not None for flag in ("--tensor-split", "--rpc")):
+        return True
+    devices = last_arg_value(args, "--device")
+    return devices is not None and "," in devices
 
 
 def without_cache_ram(args: Sequence[str]) -> list[str]:
@@ -239,6 +273,7 @@ def build_argv(
         argv += ["--reranking"]
     if rpc:
         argv += ["--rpc", ",".join(rpc)]
+    argv += batch_flags([*argv, *host_args, *user_args])
     argv += list(host_args)
     argv += list(user_args)
     try:
