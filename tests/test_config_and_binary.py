@@ -15,7 +15,7 @@ from gezel_trio.config.schema import config_from_mapping, load_config
 from gezel_trio.engine import binary as binary_mod
 from gezel_trio.engine import build as build_mod
 from gezel_trio.engine import sd_build
-from gezel_trio.engine.argv import build_argv, last_arg_value
+from gezel_trio.engine.argv import DEFAULT_UBATCH, LaunchProfile, build_argv, last_arg_value
 from gezel_trio.engine.binary import (
     parse_version_output,
     read_build_metadata,
@@ -313,16 +313,20 @@ def test_real_engine_build_facts(engine_binary: binary_mod.EngineBinary) -> None
 # ----------------------------------------------------------------------------- argv
 
 
-def test_argv_user_args_win_last(tmp_path: Path) -> None:
-    profile = build_argv(
+def _profile(tmp_path: Path, user_args: list[str]) -> LaunchProfile:
+    return build_argv(
         binary=Path("/bin/llama-server"),
         model_path="/m.gguf",
         port=1234,
         parallel=2,
         ctx_per_slot=1024,
         slot_save_dir=tmp_path,
-        user_args=["--parallel", "3", "-c", "6144"],
+        user_args=user_args,
     )
+
+
+def test_argv_user_args_win_last(tmp_path: Path) -> None:
+    profile = _profile(tmp_path, ["--parallel", "3", "-c", "6144"])
     assert profile.parallel == 3 and profile.ctx_total == 6144 and profile.ctx_per_slot == 2048
     assert last_arg_value(profile.argv, "--slot-save-path") == str(tmp_path)
     assert last_arg_value(["--ctx-size=100", "-c", "200"], "--ctx-size") == "200"
@@ -331,3 +335,20 @@ def test_argv_user_args_win_last(tmp_path: Path) -> None:
             binary=Path("/x"), model_path="/m", port=1, parallel=1, ctx_per_slot=64,
             slot_save_dir=tmp_path, user_args=["--port", "9"],
         )  # fmt: skip
+
+
+def test_the_logical_batch_is_the_physical_one_unless_set_or_spread(tmp_path: Path) -> None:
+    """``--batch-size`` equal to ``--ubatch-size`` (see tests/test_engine_batch.py for
+    what it does on the engine), unless the user sets it or the model is spread over
+    several devices (there the pieces of one call run as a pipeline)."""
+
+    def batch(user_args: list[str]) -> str | None:
+        return last_arg_value(_profile(tmp_path, user_args).argv, "--batch-size")
+
+    assert batch([]) == str(DEFAULT_UBATCH)
+    assert batch(["-ub", "1024"]) == "1024"
+    assert batch(["--batch-size", "4096"]) == "4096"
+    assert _profile(tmp_path, ["-b", "4096"]).argv.count("--batch-size") == 0  # none of ours
+    for several in (["-ts", "1,1"], ["--device", "CUDA0,CUDA1"], ["--rpc", "10.0.0.2:50052"]):
+        assert batch(several) is None, several
+    assert batch(["--device", "CUDA1"]) == str(DEFAULT_UBATCH)

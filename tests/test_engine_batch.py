@@ -3,14 +3,11 @@ llama-server's queue (a new request, a slot save, restore or erase) runs after e
 ``--ubatch-size`` piece of another slot's prefill instead of after up to 2,048 tokens of
 it (:func:`gezel_trio.engine.argv.batch_flags`).
 
-- The flags, without I/O: the default, a user's ``--ubatch-size``, a user's
-  ``--batch-size``, and none for a model spread over several devices (there the pieces
-  of one call run as a pipeline).
-- On the host's real llama-server: an erase of an idle slot sent while the other slot
-  prefills a 1,900-token prompt is answered within the first pieces of that prefill.
-  With the engine's default ``--batch-size`` (2,048) it cannot be: the whole prompt is
-  one decode call, and the queue waits for it (measured: 8.35 s for an 8.35 s prefill,
-  against 1.8 s of 8.1 s).
+On the host's real llama-server: an erase of an idle slot sent while the other slot
+prefills a 1,900-token prompt is answered within the first pieces of that prefill. With
+the engine's default ``--batch-size`` (2,048) it cannot be: the whole prompt is one decode
+call, and the queue waits for it (measured: 8.35 s for an 8.35 s prefill, against 1.8 s
+of 8.1 s). The flags themselves are tested without I/O in tests/test_config_and_binary.py.
 """
 
 from __future__ import annotations
@@ -22,35 +19,11 @@ import pytest
 import trio
 
 from gezel_trio.config.schema import ModelConfig
-from gezel_trio.engine.argv import DEFAULT_UBATCH, build_argv, last_arg_value
+from gezel_trio.engine.argv import DEFAULT_UBATCH
 from gezel_trio.engine.binary import EngineBinary
 
 from .conftest import make_config, running
 from .fault_tools import slots_busy, wait_until
-
-
-def _argv(tmp_path: Path, user_args: list[str]) -> tuple[str, ...]:
-    return build_argv(
-        binary=Path("/bin/llama-server"),
-        model_path="/m.gguf",
-        port=1,
-        parallel=2,
-        ctx_per_slot=1024,
-        slot_save_dir=tmp_path,
-        user_args=user_args,
-    ).argv
-
-
-def test_the_logical_batch_is_the_physical_one_unless_the_user_sets_it(tmp_path: Path) -> None:
-    assert last_arg_value(_argv(tmp_path, []), "--batch-size") == str(DEFAULT_UBATCH)
-    assert last_arg_value(_argv(tmp_path, ["-ub", "1024"]), "--batch-size") == "1024"
-    chosen = _argv(tmp_path, ["--batch-size", "4096"])
-    assert last_arg_value(chosen, "--batch-size") == "4096"
-    assert chosen.count("--batch-size") == 1  # the host adds none of its own
-    for several in (["-ts", "1,1"], ["--device", "CUDA0,CUDA1"], ["--rpc", "10.0.0.2:50052"]):
-        argv = _argv(tmp_path, several)  # a pipeline across devices: the engine's default
-        assert last_arg_value(argv, "--batch-size") is None, several
-    assert last_arg_value(_argv(tmp_path, ["--device", "CUDA1"]), "--batch-size") == "512"
 
 
 @pytest.mark.engine
