@@ -18,7 +18,9 @@ Reported:
 - ``reached``: the requests the killed replica was running at the kill (the only ones
   allowed to fail: they had reached it), and ``lost``: failures beyond those;
 - how many queued requests moved to another replica (``failovers``), how many a replica
-  with a free slot took from a busy one (``pooled``), and how many chats moved;
+  with a free slot took from a busy one (``pooled``), how many chats moved, and how
+  many of the chats routed to the killed replica had their KV there (each of those must
+  count as moved);
 - per chat that lived on the killed replica, the time from the kill to its first answer
   from another replica (median and max): the figure the issue names;
 - median latency before the kill and after it (two replicas left of three);
@@ -200,6 +202,14 @@ async def run(
                     router = host.routers.get(MODEL)
                     return None if router is None else router.member_of(session)
 
+                def holds_kv(chat: str, member: str) -> bool:
+                    session = host.sessions.session(host.sessions.caller(None), chat)
+                    assert host.scheduler is not None and host.kv is not None
+                    return (
+                        host.scheduler.holds(member, session)
+                        or host.kv.entry(member, session) is not None
+                    )
+
                 async def request(chat: str | None, prompt: list[int], own_prefix: int) -> None:
                     body: dict[str, Any] = {
                         "model": MODEL,
@@ -263,6 +273,12 @@ async def run(
                         for c in (f"chat-{i}" for i in range(chats))
                         if member_of(c) == lost_member
                     )
+                    # the chats the router must count as moved: those whose KV is
+                    # on it (a chat only routed there, or whose KV another chat's
+                    # took, loses nothing there)
+                    at_kill["chats_with_kv"] = sorted(
+                        c for c in at_kill["chats"] if holds_kv(c, lost_member)
+                    )
                     at_kill["moved_before"] = host.routers[MODEL].moved
                     os.kill(victim.process.pid, SIGNALS[fault])
                     with trio.fail_after(30):
@@ -319,6 +335,7 @@ def _figures(
         "failovers": pool.get("failovers", 0),
         "pooled": pool.get("pooled", 0),
         "chats_on_killed_replica": at_kill["chats"],
+        "chats_with_kv_on_killed_replica": at_kill["chats_with_kv"],
         "chats_moved": moved,
         "served_elsewhere_after_s": served_elsewhere,
         "served_elsewhere_median_s": round(median(times), 3) if times else None,
@@ -358,7 +375,8 @@ async def main(
             "cross_session_tokens",
         )
     }
-    totals["chats_on_killed_replica"] = sum(len(r["chats_on_killed_replica"]) for r in runs)
+    for key in ("chats_on_killed_replica", "chats_with_kv_on_killed_replica"):
+        totals[key] = sum(len(r[key]) for r in runs)
     totals["chats_never_served_elsewhere"] = sum(
         len(r["chats_never_served_elsewhere"]) for r in runs
     )
@@ -402,7 +420,8 @@ if __name__ == "__main__":
     )
     print(f"queued jobs moved off it {out['failovers']}; taken by a free replica {out['pooled']}")
     print(
-        f"chats on it {out['chats_on_killed_replica']}, moved {out['chats_moved']}, never "
+        f"chats on it {out['chats_on_killed_replica']} (its KV held "
+        f"{out['chats_with_kv_on_killed_replica']}), moved {out['chats_moved']}, never "
         f"served elsewhere {out['chats_never_served_elsewhere']}; "
         f"served elsewhere after median {out['served_elsewhere_median_s']:.3f} s, "
         f"max {out['served_elsewhere_max_s']} s (engine marked failed after "
