@@ -197,18 +197,12 @@ async def run(
                 kill_at = t0 + before
                 stop_at = kill_at + after
 
-                def member_of(chat: str) -> str | None:
-                    session = host.sessions.session(host.sessions.caller(None), chat)
-                    router = host.routers.get(MODEL)
-                    return None if router is None else router.member_of(session)
+                def session_of(chat: str) -> str:
+                    return host.sessions.session(host.sessions.caller(None), chat)
 
-                def holds_kv(chat: str, member: str) -> bool:
-                    session = host.sessions.session(host.sessions.caller(None), chat)
-                    assert host.scheduler is not None and host.kv is not None
-                    return (
-                        host.scheduler.holds(member, session)
-                        or host.kv.entry(member, session) is not None
-                    )
+                def member_of(chat: str) -> str | None:
+                    router = host.routers.get(MODEL)
+                    return None if router is None else router.member_of(session_of(chat))
 
                 async def request(chat: str | None, prompt: list[int], own_prefix: int) -> None:
                     body: dict[str, Any] = {
@@ -276,8 +270,9 @@ async def run(
                     # the chats the router must count as moved: those whose KV is
                     # on it (a chat only routed there, or whose KV another chat's
                     # took, loses nothing there)
+                    lost_rt = host.models[lost_member]
                     at_kill["chats_with_kv"] = sorted(
-                        c for c in at_kill["chats"] if holds_kv(c, lost_member)
+                        c for c in at_kill["chats"] if host.holds(lost_rt, session_of(c))
                     )
                     at_kill["moved_before"] = host.routers[MODEL].moved
                     os.kill(victim.process.pid, SIGNALS[fault])

@@ -269,7 +269,7 @@ class Host:
             load = rt.engine.busy
             if stats is not None:
                 load += stats.running.get(rt.id, 0) + stats.waiting.get(rt.id, 0)
-            holds = session is not None and self._holds(rt, session)
+            holds = session is not None and self.holds(rt, session)
             healthy = rt.engine.state.value is not EngineState.FAILED
             if self.scheduler is not None and self.scheduler.is_down(rt.id):
                 healthy = False  # its load failed or it cannot be reached: until revived
@@ -365,7 +365,7 @@ class Host:
             (shared_blocks(e.blocks, prefix) for e in self.kv.copies(member, owner)), default=0
         )
 
-    def _holds(self, runtime: ModelRuntime, session: str) -> bool:
+    def holds(self, runtime: ModelRuntime, session: str) -> bool:
         """``runtime`` holds ``session``'s KV, in a slot or parked."""
         if self.scheduler is not None and self.scheduler.holds(runtime.id, session):
             return True
@@ -498,7 +498,7 @@ class Host:
             )
         async with AsyncExitStack() as stack:
             while True:
-                holds = public is not None and session is not None and self._holds(runtime, session)
+                holds = public is not None and session is not None and self.holds(runtime, session)
                 held = holds if held is None else held
                 # A job sent where its prefix is stays there: no sibling takes it.
                 pool = public is not None and not by_prefix and (keyless or not holds)
