@@ -247,6 +247,7 @@ async def test_killing_a_replica_mid_replay_loses_nothing_that_had_not_reached_i
     assert out["chats_never_served_elsewhere"] == []  # its chats moved ...
     # ... and those whose KV was on it were counted (a chat only routed there, its first
     # request still queued, or whose KV another chat's replaced, re-prefills nothing)
+    assert out["chats_with_kv_on_killed_replica"], "no chat had its KV on the killed replica"
     assert out["chats_moved"] >= len(out["chats_with_kv_on_killed_replica"])
     assert out["cross_session_tokens"] == 0  # nobody got another chat's KV
     served = {m: n for m, n in out["routed"].items() if n}
