@@ -632,6 +632,27 @@ def test_a_job_bound_to_its_kv_is_not_taken_by_a_sibling() -> None:
     assert d.policy.snapshot().pool["pooled"] == 2  # only the two of the warm-up
 
 
+def test_a_pool_job_runs_on_its_own_member_when_that_member_has_room() -> None:
+    """The router sent a keyless job to the second member (the least loaded, or away
+    from an overloaded member holding its prefix): the first member's admission comes
+    first in the pass and has room too, but the job is its own member's."""
+    d = _replicas("m@0", "m@1", residency="coexist")
+    warm = [_pooled(d, "m@0") for _ in range(4)]
+    d.step()
+    assert d.loads == ["m@0", "m@1"]
+    for job in warm:
+        d.settle(job)
+    pooled = d.policy.snapshot().pool["pooled"]
+    shed = d.policy.enqueue(Job(model_id="m@1", session="k", keyless=True, pool=True), now=d.now)
+    assert d.step() == [shed] and shed.model_id == "m@1"
+    assert d.policy.snapshot().pool["pooled"] == pooled
+    # With no room left on its member, a sibling with room still takes one
+    busy = [_pooled(d, "m@1") for _ in range(2)]
+    assert sorted(seqs(d.step())) == seqs(busy)
+    assert [j.model_id for j in busy] == ["m@1", "m@0"]
+    assert d.policy.snapshot().pool["pooled"] == pooled + 1
+
+
 def test_one_member_starts_for_a_few_jobs_and_a_sibling_for_more() -> None:
     d = _replicas("m@0", "m@1", residency="coexist")
     first = _pooled(d, "m@0")

@@ -225,9 +225,11 @@ class _Turn:
             out.append(job)
         return out
 
-    def pool_jobs(self, *, skip: _Model | None = None) -> list[Job]:
+    def pool_jobs(
+        self, *, skip: _Model | None = None, room: Callable[[_Model], int] = lambda _m: 0
+    ) -> list[Job]:
         """Claimed jobs any member may take (see :func:`.pool.pool_jobs`)."""
-        return pool_jobs(self.family, self.bound, skip=skip)
+        return pool_jobs(self.family, self.bound, skip=skip, room=room)
 
 
 class _Group:

@@ -55,7 +55,10 @@ The rules, in the order the policy applies them (see the issue-3 seed):
    any member: a member with room takes such jobs from its siblings' claimed
    queues, earliest first. So may a keyless owner's job even where its owner
    holds KV: a caller's keyless requests are many conversations, and they
-   must not queue on one member while another has room. A member whose load
+   must not queue on one member while another has room. A job its own member
+   has room for runs there, whichever member's admission comes first in a
+   pass: the router sent it there (the least loaded, or away from an overloaded
+   member holding its prefix). A member whose load
    fails (or whose ``/slots`` cannot be sampled) is *down*: its queued
    completions move to a live sibling, in their queue order, and are counted
    (``failovers``); with no live sibling they fail (or wait) as a single
@@ -77,6 +80,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 
 from gezel_trio.errors import QueueFull, UnknownModel
 from gezel_trio.kv.lead import LeadStart
@@ -712,7 +716,7 @@ class SchedulerPolicy:
             admitted.append(job)
             room -= 1
         if room > 0 and len(model.family.members) > 1:
-            for job in turn.pool_jobs(skip=model):
+            for job in turn.pool_jobs(skip=model, room=partial(self._own_room, turn)):
                 if room == 0:
                     break
                 if job.any_slot or job.state is not JobState.QUEUED:
@@ -725,6 +729,16 @@ class SchedulerPolicy:
                 admitted.append(job)
                 room -= 1
         return Admission(tuple(admitted))
+
+    @staticmethod
+    def _own_room(turn: _Turn, model: _Model) -> int:
+        """How many of its claimed jobs ``model`` admits itself when its admission
+        comes in this pass: its free slots within its capacity, for a spawned engine
+        of the turn that has loaded (an external engine's room is a sample's: 0)."""
+        if not model.lane.sole_client or model.model_id not in turn.loaded:
+            return 0
+        capacity = admission_capacity(max(1, model.lane.parallel), model.running, None)
+        return min(capacity, len(model.table.free()))
 
     def _pin(
         self, job: Job, free: list[int], table: SlotTable, wanted: Callable[[str], bool]

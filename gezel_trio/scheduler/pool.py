@@ -1,11 +1,14 @@
 """The replica pool: a replicated model's members share their queued work.
 
 A member with room takes pool jobs from its siblings' claimed queues, earliest
-first, and a member that goes down hands its queued completions to a live sibling
-(see THE POOL in :mod:`.policy`). No I/O.
+first, unless the sibling has room for them itself, and a member that goes down
+hands its queued completions to a live sibling (see THE POOL in :mod:`.policy`).
+No I/O.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from gezel_trio.scheduler.queues import Job, _Family, _Model, detach
 
@@ -15,17 +18,30 @@ STEAL_SCAN = 16
 """How many claimed jobs of each sibling a member with room looks at for pool jobs."""
 
 
-def pool_jobs(family: _Family, bound: float, *, skip: _Model | None = None) -> list[Job]:
+def pool_jobs(
+    family: _Family,
+    bound: float,
+    *,
+    skip: _Model | None = None,
+    room: Callable[[_Model], int] = lambda _model: 0,
+) -> list[Job]:
     """Claimed jobs any member may take (see THE POOL), earliest first, among the
     first :data:`STEAL_SCAN` of each member but ``skip``: pool jobs whose session
-    holds no slot (or that is a keyless owner's), and every job of a down member."""
+    holds no slot (or that is a keyless owner's), and every job of a down member.
+
+    ``room(member)``: how many of its claimed jobs a member admits itself in this
+    pass; the first that many of its queue are its own (a job the router sent to a
+    member with room, for its load or its prefix, runs there), unless it is down."""
     found: list[Job] = []
     for model in family.members:
         if model is skip:
             continue
+        own = 0 if model.down else room(model)
         for i, job in enumerate(model.queue.prefix()):
             if i >= STEAL_SCAN or job.seq >= bound:
                 break
+            if i < own:
+                continue
             if model.down or (job.pool and (job.keyless or not _held(family, job.session))):
                 found.append(job)
     found.sort(key=lambda j: j.seq)
