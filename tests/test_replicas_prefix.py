@@ -3,6 +3,9 @@ then two real llama-server replicas serving keyless conversations."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -216,8 +219,9 @@ async def test_keyless_conversations_keep_their_replica_and_an_overloaded_one_sh
     """Two spawned replicas of 2 slots each, ``keyless = "shared"``: 4 keyless
     conversations (no session key), 4 turns each. Every continuation lands on the
     member that served the conversation's previous turn, as the engines' own cached
-    tokens show; then, with one member kept busy beyond ``prefix_load_bound``, a
-    conversation it holds is served by the other."""
+    tokens show; then, with one member kept busy beyond ``prefix_load_bound`` (its
+    engine frozen while the turn is routed), a conversation it holds is served by the
+    other, even though the busy member has a free slot holding that conversation."""
     cfg = make_config(
         [ModelConfig(id="tiny", path=str(tiny_model), parallel=2, ctx_per_slot=2048, replicas=2)],
         state_dir=state_dir,
@@ -299,26 +303,46 @@ async def test_keyless_conversations_keep_their_replica_and_an_overloaded_one_sh
                 queued = stats.running.get(member, 0) + stats.waiting.get(member, 0)
                 return host.models[member].engine.busy + queued
 
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(long_answer)
-                await wait_until(
-                    lambda: scheduler.statistics().running.get(busy, 0) == 1,
-                    within=30,
-                    what="the long answer running",
-                )
-                # and no background save or erase on the other member evens the loads
-                await wait_until(
-                    lambda: load(busy) - load(other) > 1, within=30, what="an overload"
-                )
-                routed_before = dict(router.routed)
-                member, _, _ = await turn(0, 5)
-                assert member == ""  # not sent where its prefix is ...
-                assert router.prefix[busy].shed == shed_before + 1  # ... it was shed
-                assert router.routed.get(other, 0) == routed_before.get(other, 0) + 1
-                assert router.routed.get(busy, 0) == routed_before.get(busy, 0)
-                # (what it found cached there depends on parking: a parked copy of the
-                # conversation may be restored on the other member)
-                nursery.cancel_scope.cancel()
+            # The long answer is real work, and on a fast CPU the tiny model ends it in
+            # a fraction of a second: the busy member's engine is frozen (SIGSTOP) while
+            # the turn is routed, so the overload the router sees is the one asserted.
+            pid = host.models[busy].engine.pid
+            assert pid is not None
+            for _ in range(5):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(long_answer)
+                    await wait_until(
+                        lambda: scheduler.statistics().running.get(busy, 0) == 1,
+                        within=30,
+                        what="the long answer running",
+                    )
+                    # and no background save or erase on the other member evens the loads
+                    await wait_until(
+                        lambda: load(busy) - load(other) > 1, within=30, what="an overload"
+                    )
+                    os.kill(pid, signal.SIGSTOP)
+                    try:
+                        if load(busy) - load(other) <= 1:
+                            continue  # it ended before the engine stopped: again
+                        routed_before = dict(router.routed)
+                        # sent to the frozen member, it would wait there until the
+                        # host's health checks killed that engine (7 s and more)
+                        with trio.move_on_after(4) as waited:
+                            member, _, _ = await turn(0, 5)
+                        assert not waited.cancelled_caught, "it ran on the overloaded member"
+                    finally:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGCONT)
+                    assert member == ""  # not sent where its prefix is ...
+                    assert router.prefix[busy].shed == shed_before + 1  # ... it was shed
+                    assert router.routed.get(other, 0) == routed_before.get(other, 0) + 1
+                    assert router.routed.get(busy, 0) == routed_before.get(busy, 0)
+                    # (what it found cached there depends on parking: a parked copy of the
+                    # conversation may be restored on the other member)
+                    nursery.cancel_scope.cancel()
+                    break
+            else:
+                raise AssertionError("the long answer always ended before its engine stopped")
 
             status = (await client.get("/api/status")).json()["replicas"]["tiny"]
             assert status["prefix"][other]["hits"] >= 3 and status["prefix_hit_rate"] < 1
