@@ -690,7 +690,7 @@ class SchedulerPolicy:
             # Another client may be using any slot: pin only what the sample names idle.
             named = () if measured is None or measured.ids is None else measured.ids
             free = [slot for slot in free if slot in named]
-        room = min(admission_capacity(max(1, lane.parallel), model.running, measured), len(free))
+        room = _room(model, free, measured)
         if room <= 0:
             return Admission(poll=model.running == 0 and turn.head_of(model) is not None)
         holders = table.holders() if self.affinity else {}
@@ -737,8 +737,7 @@ class SchedulerPolicy:
         of the turn that has loaded (an external engine's room is a sample's: 0)."""
         if not model.lane.sole_client or model.model_id not in turn.loaded:
             return 0
-        capacity = admission_capacity(max(1, model.lane.parallel), model.running, None)
-        return min(capacity, len(model.table.free()))
+        return _room(model, model.table.free(), None)
 
     def _pin(
         self, job: Job, free: list[int], table: SlotTable, wanted: Callable[[str], bool]
@@ -999,3 +998,9 @@ class SchedulerPolicy:
             dispatch_passes=self.dispatch_passes,
             dispatch_seconds=self.dispatch_seconds,
         )
+
+
+def _room(model: _Model, free: list[int], measured: SlotMeasurement | None) -> int:
+    """How many more jobs ``model`` may admit onto ``free`` slots: its capacity
+    (:func:`admission_capacity`, with an external engine's sample) within them."""
+    return min(admission_capacity(max(1, model.lane.parallel), model.running, measured), len(free))
