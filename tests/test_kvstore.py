@@ -184,6 +184,37 @@ async def test_orphans_are_deleted_at_start_and_other_files_kept(tmp_path: Path)
     assert again.entry("b", "s3") is None
 
 
+def test_a_file_written_after_its_save_was_cut_short_is_deleted_by_a_later_sweep(
+    tmp_path: Path,
+) -> None:
+    """The engine runs a save whose client left: its file appears after the runtime
+    discarded the name. The next sweep of that model deletes it, and only it."""
+    store = _open(tmp_path)
+    cut = store.new_file_name("s1")
+    store.discard_file("a", cut)  # nothing written yet
+    assert store.sweep_late("b") == 0 and store.sweep_late("a") == 0
+    (store.dirs["a"] / cut).write_bytes(b"written once the engine ran the save")
+    other = store.dirs["a"] / store.new_file_name("s2")  # not discarded: none of the sweep's
+    other.write_bytes(b"x")
+    assert store.sweep_late("b") == 0  # another model's sweep leaves it
+    assert (store.dirs["a"] / cut).exists()
+    assert store.sweep_late("a") == 1
+    assert not (store.dirs["a"] / cut).exists() and other.exists()
+    assert store.orphans_deleted == 1
+    (store.dirs["a"] / cut).write_bytes(b"again")  # a name is swept once
+    assert store.sweep_late("a") == 0
+
+
+def test_a_file_written_before_its_discard_is_deleted_at_once(tmp_path: Path) -> None:
+    store = _open(tmp_path)
+    name = store.new_file_name("s1")
+    (store.dirs["a"] / name).write_bytes(b"x")
+    store.discard_file("a", name)
+    assert not (store.dirs["a"] / name).exists()
+    (store.dirs["a"] / name).write_bytes(b"x")
+    assert store.sweep_late("a") == 0  # not kept: it was there to delete
+
+
 async def test_a_model_no_longer_served_loses_its_entries(tmp_path: Path) -> None:
     store = _open(tmp_path)
     await _park(store, "b", "s1")

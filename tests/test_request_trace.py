@@ -2,14 +2,17 @@
 ``gezel_requests_total`` sample, also when its client leaves (status 499, with the slot
 it held and the tokens generated before it stopped); the time to first token is the
 engine's, never a keep-alive comment; a KV save that fails says why, and a cancelled one
-is no failure. Real hypercorn, real llama-server, the tiny model; raw sockets for the
-clients that leave (a reset, as a killed client leaves)."""
+is no failure and leaves no file. Real hypercorn, real llama-server, the tiny model; raw
+sockets for the clients that leave (a reset, as a killed client leaves)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import re
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -243,6 +246,8 @@ async def test_a_failed_kv_save_says_why_and_a_cancelled_one_is_no_failure(
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="gezel_trio.host.runtime")
     cfg = _cfg(tiny_model, state_dir, engine_binary)
+    # no save of the host's own after a request (it would fail too, in the second part)
+    cfg.scheduler.save_idle_delay = math.inf
     with trio.fail_after(120):
         async with running(cfg) as (host, client):
             r = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})
@@ -251,17 +256,40 @@ async def test_a_failed_kv_save_says_why_and_a_cancelled_one_is_no_failure(
             rt = host.models["tiny"]
             stats = rt.kv_stats
 
-            # Cut short: a cancellation while the engine saves.
-            with trio.CancelScope() as scope:
-                scope.deadline = trio.current_time() + 0.001
-                await rt.park_slot(0, "trace-session")
+            # Cut short: a cancellation while the engine saves (frozen, so that the save
+            # cannot end first on a fast CPU).
+            pid = rt.engine.pid
+            assert pid is not None
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                with trio.CancelScope() as scope:
+                    scope.deadline = trio.current_time() + 0.2
+                    await rt.park_slot(0, "trace-session")
+            finally:
+                os.kill(pid, signal.SIGCONT)
             assert scope.cancelled_caught
             assert stats.save_cancelled == 1 and stats.save_failures == 0
             assert any("cancelled: not a failure" in r.getMessage() for r in caplog.records)
             assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
-            # A failure: the engine cannot write its file (its save directory is gone).
+            # Resumed, the engine runs the save it was sent: its file, which nothing
+            # indexes, is deleted by the next save's sweep.
             save_dir = trio.Path(rt.engine.argv[rt.engine.argv.index("--slot-save-path") + 1])
+            kv = host.kv
+            assert kv is not None
+
+            async def stray() -> set[str]:
+                indexed = {e.file for e in kv.sessions()}
+                return {p.name for p in await save_dir.iterdir()} - indexed
+
+            async def written() -> bool:
+                return bool(await stray())
+
+            await wait_until(written, within=30, what="the cut save's file")
+            assert await rt.park_slot(0, "trace-session", within=30) > 0
+            assert stats.saves == 1 and await stray() == set()
+
+            # A failure: the engine cannot write its file (its save directory is gone).
             gone = save_dir.with_name(save_dir.name + ".gone")
             await save_dir.rename(gone)
             with pytest.raises(EngineFailed):

@@ -566,8 +566,9 @@ class ModelRuntime:
         EngineFailed when the save took longer than ``within`` seconds; a failure is counted
         (``save_failures``) and logged with its reason. Cancellation (the request's
         client left, a shutdown) is no failure: it is counted in ``save_cancelled`` and
-        logged at debug level; it leaves the index as it was, and a file the engine
-        wrote meanwhile is deleted.
+        logged at debug level; it leaves the index as it was, and the file the engine
+        writes for it, meanwhile or once it runs the save, is deleted (then at the end of
+        a later save: :meth:`KvStore.sweep_late`).
         """
         kv = self.kv
         if kv is None:
@@ -595,6 +596,7 @@ class ModelRuntime:
         finally:
             if not kv.has_file(self.id, name):
                 kv.discard_file(self.id, name)
+            kv.sweep_late(self.id)
 
     async def _save(
         self,

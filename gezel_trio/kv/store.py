@@ -81,6 +81,10 @@ FILE_PATTERN = re.compile(r"kv-[0-9a-f]{16}-[0-9a-f]{12}\.bin")
 """The names the store gives its files; only such files are ever deleted as orphans
 (a user's ``--slot-save-path`` may hold other files)."""
 
+LATE_FILES_KEPT = 64
+"""Files of saves cut short that the store looks for after later saves (see
+:meth:`KvStore.discard_file`); beyond, the oldest is left to the next start's sweep."""
+
 UNLINK_TIMEOUT = 30.0
 """The deadline of the shield under which the files of dropped entries are deleted."""
 
@@ -312,6 +316,10 @@ class KvStore:
     _seq: int = 0
     _used: dict[tuple[str, str], float] = field(default_factory=dict)
     """(model, file) -> when it was last used: touches the index on disk lacks yet."""
+    _late: collections.deque[tuple[str, str]] = field(
+        default_factory=lambda: collections.deque(maxlen=LATE_FILES_KEPT)
+    )
+    """(model, file): discarded files the engine may still write (:meth:`discard_file`)."""
 
     MAX_CALLERS = 100_000
     MAX_COPIES = 8
@@ -602,11 +610,35 @@ class KvStore:
         await self._unlink(doomed)
 
     def discard_file(self, model: str, name: str) -> None:
-        """Delete a file no entry points at (a save whose indexing failed)."""
+        """Delete a file no entry points at: a save whose indexing failed, or one cut
+        short. The engine may still write the file of a save it has not answered (it
+        runs a save whose client left): the name is kept, and :meth:`sweep_late` deletes
+        the file once it appears."""
+        if self._unlink_ours(model, name):
+            return
+        if (model, name) not in self._late:
+            self._late.append((model, name))
+
+    def sweep_late(self, model: str) -> int:
+        """Delete the files that ``model``'s engine wrote for saves discarded before
+        (:meth:`discard_file`); the number deleted. Call it when the engine has answered
+        a later save: it runs the saves it is sent in turn. A stat per name kept."""
+        found = [(m, n) for m, n in self._late if m == model and self._unlink_ours(m, n)]
+        for key in found:
+            self._late.remove(key)
+        self.orphans_deleted += len(found)
+        return len(found)
+
+    def _unlink_ours(self, model: str, name: str) -> bool:
+        """Delete ``model``'s file ``name`` if it is one of ours; whether it was there."""
         d = self.dirs.get(model)
-        if d is not None and FILE_PATTERN.fullmatch(name):
-            with contextlib.suppress(OSError):
-                (d / name).unlink()
+        if d is None or not FILE_PATTERN.fullmatch(name):
+            return False
+        try:
+            (d / name).unlink()
+        except OSError:
+            return False
+        return True
 
     # ------------------------------------------------------------------ internals
 
