@@ -27,7 +27,7 @@ from gezel_trio.config.schema import ModelConfig, apply_env, config_from_mapping
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.errors import ConfigError
 from gezel_trio.host import Host, open_host
-from gezel_trio.host.completion import TEXT_BLOCK_CHARS, prompt_blocks
+from gezel_trio.host.completion import TEXT_BLOCK_CHARS, TOKEN_BLOCK, prompt_blocks
 from gezel_trio.kv.prefix import (
     MAX_BLOCKS,
     Header,
@@ -185,6 +185,23 @@ def test_content_parts_piece_their_text_and_keep_other_parts_whole() -> None:
     two = _chat([{"type": "text", "text": "A"}, {"type": "input_text", "text": "B"}])
     assert prompt_blocks(two) == prompt_blocks(_chat("A\nB"))
     assert shared_blocks(prompt_blocks(cached), base) == 3  # up to the user's header
+
+
+def test_a_token_prompt_is_cut_into_complete_pieces_that_a_longer_one_keeps() -> None:
+    ids = [(i * 7919) % 50_000 for i in range(3 * TOKEN_BLOCK + 5)]
+    blocks = prompt_blocks({"prompt": ids})
+    assert len(blocks) == 3  # the unfinished tail is left out
+    assert prompt_blocks({"prompt": ids[: 3 * TOKEN_BLOCK]}) == blocks
+    grown = prompt_blocks({"prompt": [*ids, *range(TOKEN_BLOCK)]})
+    assert len(grown) == 4 and is_prefix(blocks, grown)
+    changed = list(ids)
+    changed[TOKEN_BLOCK + 1] += 1
+    assert shared_blocks(prompt_blocks({"prompt": changed}), blocks) == 1
+    # the same text as digits is not the same prompt
+    assert prompt_blocks({"prompt": ",".join(map(str, ids))}) != blocks
+    # ids mixed with text, several prompts, numbers that are no ids: no blocks
+    for other in ([*ids[:-1], "text"], [ids, ids], [*ids[:-1], 1.5], [*ids[:-1], 2**70]):
+        assert prompt_blocks({"prompt": other}) == ()
 
 
 def test_a_boundary_between_messages_is_never_one_between_pieces() -> None:

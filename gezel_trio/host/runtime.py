@@ -249,8 +249,13 @@ class ModelRuntime:
         llama-server answers 500 (or worse) for an out-of-vocabulary id.
         """
         vocab = self.vocab_size
-        if vocab is None or not isinstance(tokens, list):
+        if vocab is None or not isinstance(tokens, list) or not tokens:
             return
+        try:
+            if min(tokens) >= 0 and max(tokens) < vocab:
+                return  # a list of numbers in range, checked in C (the common case)
+        except TypeError:
+            pass  # not a list of numbers: each item below
         for t in tokens:
             if isinstance(t, list):
                 self.check_token_ids(t, field)
