@@ -96,6 +96,7 @@ BENCHES = (
     ),
     Bench("front_cost", _module("front_cost"), _module("front_cost", "--requests", "100")),
     Bench("python_calls", _module("python_calls"), _module("python_calls", "--requests", "50")),
+    Bench("prompt_cost", _module("prompt_cost"), _module("prompt_cost", "--repeats", "30")),
     Bench(
         "request_phases",
         _module("request_phases"),
