@@ -114,7 +114,13 @@ def main(argv: list[str] | None = None) -> int:
             for target in [r["target"] for r in reports[0]]:
                 rows = [r for rows in reports for r in rows if r["target"] == target]
                 cells = []
-                for key in ("efficiency", "ttft_vs_base", "ttft_vs_keyed", "calls_per_handoff"):
+                for key in (
+                    "efficiency",
+                    "ttft_vs_base",
+                    "paired_ttft_vs_base",
+                    "ttft_vs_keyed",
+                    "calls_per_handoff",
+                ):
                     values = [r[key] for r in rows if r[key] is not None]
                     cells.append(f"{key} {statistics.median(values):.2f}" if values else f"{key} -")
                 print(f"   {target:<16} " + ", ".join(cells) + f" ({len(rows)} runs)")

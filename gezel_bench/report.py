@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ __all__ = [
     "figures_rows",
     "figures_table",
     "markdown_report",
+    "paired_ratio",
     "plot_cache_hit_per_turn",
     "plot_ttft_cdf",
     "write_report",
@@ -89,6 +91,11 @@ def _target_entry(outcome: TargetOutcome) -> dict[str, Any]:
         entry["ttft_ms"] = sorted(
             round(r.ttft * 1000.0, 3) for r in result.records if r.ok and r.ttft is not None
         )
+        entry["ttft_by_request"] = {
+            f"{r.session}#{r.turn}": round(r.ttft * 1000.0, 3)
+            for r in result.records
+            if r.ok and r.ttft is not None
+        }
         entry["errors"] = sorted({r.error for r in result.records if r.error})[:20]
     return entry
 
@@ -300,6 +307,7 @@ def figures_rows(report: Mapping[str, Any]) -> list[dict[str, Any]]:
                 ),
                 "median_ttft_ms": m.get("median_ttft_ms"),
                 "ttft_vs_base": _div(m.get("median_ttft_ms"), base.get("median_ttft_ms")),
+                "paired_ttft_vs_base": paired_ratio(t, ran[0]),
                 "ttft_vs_keyed": _div(m.get("median_ttft_ms"), ref_m.get("median_ttft_ms")),
                 "cross_session": m.get("cross_session_reuse"),
                 "cross_owner": m.get("cross_owner_reuse"),
@@ -312,6 +320,18 @@ def figures_rows(report: Mapping[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def paired_ratio(target: Mapping[str, Any], base: Mapping[str, Any]) -> float | None:
+    """The median, over the requests both ``target`` and ``base`` completed, of each
+    request's TTFT on ``target`` divided by its TTFT on ``base`` (``ttft_by_request``);
+    None when they have none in common (a report from before the field). The targets
+    run one after the other: where the machine's speed drifts between their windows, a
+    ratio of the two medians moves with it, and each request's own ratio less so."""
+    mine = target.get("ttft_by_request") or {}
+    theirs = base.get("ttft_by_request") or {}
+    ratios = [mine[k] / theirs[k] for k in mine.keys() & theirs.keys() if theirs[k] > 0]
+    return statistics.median(ratios) if ratios else None
+
+
 _FIGURE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("keys", "keys", ""),
     ("efficiency", "efficiency", "ratio"),
@@ -319,6 +339,7 @@ _FIGURE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("eff/keyed", "efficiency_vs_keyed", "x"),
     ("median TTFT ms", "median_ttft_ms", ""),
     ("TTFT/base", "ttft_vs_base", "x"),
+    ("paired/base", "paired_ttft_vs_base", "x"),
     ("TTFT/keyed", "ttft_vs_keyed", "x"),
     ("x-session", "cross_session", ""),
     ("x-owner", "cross_owner", ""),

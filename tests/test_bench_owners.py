@@ -26,7 +26,7 @@ from gezel_bench.metrics import (
     summarize_probes,
 )
 from gezel_bench.replay import ReplayConfig, run_replay, session_keys
-from gezel_bench.report import figures_rows, figures_table
+from gezel_bench.report import figures_rows, figures_table, paired_ratio
 from gezel_bench.targets import EngineCommand, LaunchSettings, gezel_config_toml
 from gezel_bench.trace_specs import open_trace_spec
 from gezel_bench.traces import Session, Trace, Turn, load_trace, save_trace
@@ -221,6 +221,30 @@ def test_figures_rows_divide_by_direct_and_by_the_keyed_run() -> None:
     report["targets"][3]["description"]["host_handoffs"] = {"handoffs": 0}
     keyless = next(line for line in figures_table(report).splitlines() if "keyless" in line)
     assert keyless.split()[-2:] == ["0", "-"]  # counted, none happened
+
+
+def test_the_paired_ratio_is_the_median_of_each_requests_own_ratio() -> None:
+    """Requests both targets completed, matched by session and turn; the machine was
+    twice as slow for the target's first half: the ratio of medians says 2.0, the
+    requests' own ratios mostly 1.0."""
+    base = _target("direct", "direct", 1.0, 100.0)
+    target = _target("gezel", "gezel", 1.0, 200.0)
+    base["ttft_by_request"] = {f"s{i}#0": 100.0 for i in range(5)} | {"only-base#0": 1.0}
+    target["ttft_by_request"] = {
+        "s0#0": 200.0,
+        "s1#0": 200.0,
+        "s2#0": 100.0,
+        "s3#0": 100.0,
+        "s4#0": 100.0,
+        "only-target#0": 1.0,
+    }
+    assert paired_ratio(target, base) == pytest.approx(1.0)
+    assert paired_ratio(base, base) == pytest.approx(1.0)
+    assert paired_ratio(target, {"name": "old"}) is None  # a report from before the field
+    rows = {r["target"]: r for r in figures_rows({"targets": [base, target]})}
+    assert rows["gezel"]["ttft_vs_base"] == pytest.approx(2.0)
+    assert rows["gezel"]["paired_ttft_vs_base"] == pytest.approx(1.0)
+    assert "paired/base" in figures_table({"targets": [base, target]})
 
 
 # -------------------------------------------------------------- targets and variants
