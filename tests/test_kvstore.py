@@ -203,6 +203,12 @@ def test_a_file_written_after_its_save_was_cut_short_is_deleted_by_a_later_sweep
     assert store.orphans_deleted == 1
     (store.dirs["a"] / cut).write_bytes(b"again")  # a name is swept once
     assert store.sweep_late("a") == 0
+    user_file = store.dirs["a"] / "notes.bin"  # not a name of ours: never deleted
+    user_file.write_bytes(b"mine")
+    store.discard_file("a", user_file.name)
+    store.discard_file("gone", store.new_file_name("s3"))  # a model it keeps no files of
+    assert store.sweep_late("a") == 0 and store.sweep_late("gone") == 0
+    assert user_file.exists()
 
 
 def test_a_file_written_before_its_discard_is_deleted_at_once(tmp_path: Path) -> None:

@@ -614,7 +614,7 @@ class KvStore:
         short. The engine may still write the file of a save it has not answered (it
         runs a save whose client left): the name is kept, and :meth:`sweep_late` deletes
         the file once it appears."""
-        if self._unlink_ours(model, name):
+        if not self._ours(model, name) or self._unlink_ours(model, name):
             return
         if (model, name) not in self._late:
             self._late.append((model, name))
@@ -622,20 +622,24 @@ class KvStore:
     def sweep_late(self, model: str) -> int:
         """Delete the files that ``model``'s engine wrote for saves discarded before
         (:meth:`discard_file`); the number deleted. Call it when the engine has answered
-        a later save: it runs the saves it is sent in turn. A stat per name kept."""
+        a later save: it runs the saves it is sent in turn. An unlink tried per name
+        kept (at most :data:`LATE_FILES_KEPT`), on the caller's thread."""
         found = [(m, n) for m, n in self._late if m == model and self._unlink_ours(m, n)]
         for key in found:
             self._late.remove(key)
         self.orphans_deleted += len(found)
         return len(found)
 
+    def _ours(self, model: str, name: str) -> bool:
+        """Whether ``name`` is a file name the store gives, of a model it keeps files of."""
+        return model in self.dirs and FILE_PATTERN.fullmatch(name) is not None
+
     def _unlink_ours(self, model: str, name: str) -> bool:
         """Delete ``model``'s file ``name`` if it is one of ours; whether it was there."""
-        d = self.dirs.get(model)
-        if d is None or not FILE_PATTERN.fullmatch(name):
+        if not self._ours(model, name):
             return False
         try:
-            (d / name).unlink()
+            (self.dirs[model] / name).unlink()
         except OSError:
             return False
         return True
