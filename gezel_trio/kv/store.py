@@ -614,9 +614,9 @@ class KvStore:
         short. The engine may still write the file of a save it has not answered (it
         runs a save whose client left): the name is kept, and :meth:`sweep_late` deletes
         the file once it appears."""
-        if not self._ours(model, name) or self._unlink_ours(model, name):
-            return
-        if (model, name) not in self._late:
+        if model not in self.dirs or not FILE_PATTERN.fullmatch(name):
+            return  # not a file of ours: never deleted, never looked for
+        if not self._unlinked(model, name) and (model, name) not in self._late:
             self._late.append((model, name))
 
     def sweep_late(self, model: str) -> int:
@@ -624,20 +624,14 @@ class KvStore:
         (:meth:`discard_file`); the number deleted. Call it when the engine has answered
         a later save: it runs the saves it is sent in turn. An unlink tried per name
         kept (at most :data:`LATE_FILES_KEPT`), on the caller's thread."""
-        found = [(m, n) for m, n in self._late if m == model and self._unlink_ours(m, n)]
+        found = [(m, n) for m, n in self._late if m == model and self._unlinked(m, n)]
         for key in found:
             self._late.remove(key)
         self.orphans_deleted += len(found)
         return len(found)
 
-    def _ours(self, model: str, name: str) -> bool:
-        """Whether ``name`` is a file name the store gives, of a model it keeps files of."""
-        return model in self.dirs and FILE_PATTERN.fullmatch(name) is not None
-
-    def _unlink_ours(self, model: str, name: str) -> bool:
-        """Delete ``model``'s file ``name`` if it is one of ours; whether it was there."""
-        if not self._ours(model, name):
-            return False
+    def _unlinked(self, model: str, name: str) -> bool:
+        """Delete the file ``name`` of ``model`` (one of ours); whether it was there."""
         try:
             (self.dirs[model] / name).unlink()
         except OSError:
