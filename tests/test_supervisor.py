@@ -166,6 +166,36 @@ async def test_graceful_stop_does_not_kill(autojump_clock: trio.abc.Clock) -> No
         assert engine.crashes == 0
 
 
+async def test_an_exit_during_the_saves_before_a_stop_is_a_crash(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The engine dies (SIGKILL, not the host's) while the host saves its slots before a
+    planned stop: the stop still ends STOPPED, and the crash is counted and named."""
+    launcher = FakeLauncher(FakeBehaviour(load_time=1.0))
+    async with engine_with(launcher) as engine:
+        await engine.ensure_ready()
+        proc = launcher.last
+
+        async def saves_then_dies() -> None:
+            await trio.sleep(0.5)
+            proc.exit(-signal.SIGKILL)
+            await trio.sleep(0.5)
+
+        engine.before_stop = saves_then_dies
+        await engine.stop()
+        assert engine.state.value is EngineState.STOPPED
+        assert proc.signals == []  # the host never had to signal it
+        assert engine.crashes == 1
+        assert "SIGKILL" in (engine.last_crash or "") and "during its stop" in (
+            engine.last_crash or ""
+        )
+        # a stop the host signalled is no crash
+        engine.before_stop = None
+        await engine.ensure_ready()
+        await engine.stop()
+        assert engine.crashes == 1 and engine.state.value is EngineState.STOPPED
+
+
 async def test_stop_is_idempotent(autojump_clock: trio.abc.Clock) -> None:
     launcher = FakeLauncher()
     async with engine_with(launcher) as engine:

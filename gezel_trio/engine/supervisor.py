@@ -183,7 +183,9 @@ class Engine:
         self._next = _Attempt(1)
         self._start_requested = trio.Event()
         self._stop_requested = trio.Event()
-        self._stopping_on_purpose = False
+        self._signalled = False
+        """True once the host has sent the running process its stop signal: an exit
+        before that, even during a planned stop, is the engine's own (a crash)."""
         self._stop_reason = "stopped"
         """Why the host ends the process it is stopping (logged when it has exited)."""
         self.closing_reason: str | None = None
@@ -375,11 +377,14 @@ class Engine:
         if self.ready_at is not None and now - self.ready_at >= self.timing.stable_after:
             self.crash_streak = 0
         self.crash_streak += 1
-        self.crashes += 1
-        self.last_crash = reason
-        self.last_crash_at = now
+        self._count_crash(reason)
         self._set(EngineState.FAILED, reason)
         self._event(logging.WARNING, "engine_failed", f"failed: {reason}", reason=reason)
+
+    def _count_crash(self, reason: str) -> None:
+        self.crashes += 1
+        self.last_crash = reason
+        self.last_crash_at = trio.current_time()
 
     async def _run_managed(self, attempt: _Attempt) -> None:
         assert self._argv_builder is not None
@@ -448,7 +453,7 @@ class Engine:
         # even be the last process's).
         self.base_url = None
         self._process_url = f"http://127.0.0.1:{port}"
-        self._stopping_on_purpose = False
+        self._signalled = False
         self._stop_reason = "stopped"
         exited = trio.Event()
         log_done = trio.Event()
@@ -469,7 +474,6 @@ class Engine:
                     nursery.cancel_scope.cancel()
                     return
                 if self._stop_requested.is_set():
-                    self._stopping_on_purpose = True
                     self._stop_reason = "stopped: asked to stop while it started"
                     self._set(EngineState.STOPPING)
                     await self._terminate(proc, exited, graceful=True)
@@ -508,7 +512,6 @@ class Engine:
             self.n_ctx = None
             if proc.returncode is None:
                 # Cancelled (host shutdown) or an unexpected error: never leave the child behind.
-                self._stopping_on_purpose = True
                 with trio.move_on_after(self.timing.stop_grace + 5, shield=True):
                     self._set(EngineState.STOPPING)
                     await self._terminate(proc, exited, graceful=True)
@@ -523,14 +526,19 @@ class Engine:
         if self._pid_file is not None:
             remove_pidfile(self._pid_file)
         self.log.append(f"[gezel] process {proc.pid} exited with code {code}")
-        if self._stopping_on_purpose:
+        if self._signalled:
             return  # _terminate logs it (this task may be cancelled by now)
+        reason = f"engine process exited unexpectedly (code {describe_exit_code(code)})"
         if self.state.value is EngineState.READY:
-            self._record_failure(
-                f"engine process exited unexpectedly (code {describe_exit_code(code)})"
-            )
+            self._record_failure(reason)
             self._wake_monitor.set()
             await self._explain_failure()
+        elif self.state.value is EngineState.STOPPING:
+            # It died while the host saved its slots before a planned stop: the stop goes
+            # on and ends STOPPED, but the exit was the engine's own.
+            reason = f"{reason} during its stop"
+            self._count_crash(reason)
+            self._event(logging.WARNING, "engine_failed", f"failed: {reason}", reason=reason)
 
     async def _explain_failure(self) -> None:
         """Add what ``explain_exit`` finds (a lost RPC worker) to the recorded failure."""
@@ -632,7 +640,6 @@ class Engine:
                         f"({failures} checks failed): killed"
                     )
                     self.log.append(f"[gezel] {reason}")
-                    self._stopping_on_purpose = True
                     self._stop_reason = reason
                     self._record_failure(reason)
                     await self._terminate(proc, exited, graceful=False)
@@ -642,7 +649,6 @@ class Engine:
                 await self._wake_monitor.wait()
 
     async def _stop_gracefully(self, proc: ProcessHandle, exited: trio.Event) -> None:
-        self._stopping_on_purpose = True
         self._set(EngineState.STOPPING)
         await self._run_before_stop(exited)
         t0 = trio.current_time()
@@ -671,7 +677,7 @@ class Engine:
     async def _terminate(self, proc: ProcessHandle, exited: trio.Event, *, graceful: bool) -> None:
         """SIGTERM, SIGKILL after the grace (at once when not graceful); wait for the exit,
         and log it with its reason. Cancellation abandons the wait (callers shield it)."""
-        self._stopping_on_purpose = True
+        self._signalled = True
         if proc.returncode is None:
             t0 = trio.current_time()
             await end_process(
