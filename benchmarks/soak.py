@@ -21,7 +21,9 @@ The load, for the whole time (loopback only):
 - clients that walk away: a stream closed after a few tokens, a non-streaming request
   given up after a random fraction of a second;
 - models alternate (sessions and chats are spread over both), so the host swaps engines;
-- engine faults on a period, the kinds in turn: ``kill`` (SIGKILL), ``stop`` (SIGSTOP,
+- engine faults on a period, the kinds in turn: ``kill`` (SIGKILL; tried again on a
+  ready engine, up to ``KILL_TRIES``, when it landed on one the host had just signalled
+  to stop for a swap: no crash for the host to see), ``stop`` (SIGSTOP,
   SIGCONT 1.5 s later: a stall the host must ride out) and ``hang`` (SIGSTOP until the
   host notices and replaces the engine; SIGCONT after, if it still exists). Targets are
   the engine pids in ``/api/status`` under ``engines[].pid``, and only pids whose command
@@ -101,6 +103,9 @@ from ._harness import RESULTS
 API_KEYS = ("sk-soak-a", "sk-soak-b")
 ADMIN_KEY = "sk-soak-admin"
 MODELS = ("tiny", "small")
+KILL_TRIES = 3
+"""Kills tried in one fault period until the host sees one as a crash (a kill can land
+on an engine the host has just signalled to stop for a swap)."""
 IDLE_MODEL = "tiny"  # the model with the short idle_ttl
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
@@ -906,18 +911,20 @@ class Soak:
         self.report.samples.append(s)
         return s
 
-    async def _pick_target(self, admin: httpx.AsyncClient) -> tuple[str, int] | None:
-        """A ready engine of ours, a busy one if there is one within a few seconds."""
-        best: tuple[str, int] | None = None
+    async def _pick_target(self, admin: httpx.AsyncClient) -> tuple[str, int, int] | None:
+        """A ready engine of ours (key, pid, crashes so far), a busy one if there is one
+        within a few seconds."""
+        best: tuple[str, int, int] | None = None
         with trio.move_on_after(8):
             while True:
                 for e in (await self.status(admin) or {}).get("engines", []):
                     pid = e.get("pid")
                     if e.get("state") != "ready" or not pid or not _ours(pid, self.state_marker):
                         continue
+                    target = str(e["key"]), int(pid), int(e.get("crashes") or 0)
                     if e.get("busy"):
-                        return str(e["key"]), int(pid)
-                    best = best or (str(e["key"]), int(pid))
+                        return target
+                    best = best or target
                 await trio.sleep(0.1)
         return best
 
@@ -934,19 +941,33 @@ class Soak:
         return None
 
     async def inject(self, admin: httpx.AsyncClient, kind: str) -> None:
+        for _ in range(KILL_TRIES if kind == "kill" else 1):
+            if await self._inject_once(admin, kind):
+                return
+
+    async def _inject_once(self, admin: httpx.AsyncClient, kind: str) -> bool:
+        """One fault; False for a kill the host could not see as a crash (it hit an engine
+        the host had itself begun to stop, between the status read and the signal), which
+        ``inject`` tries again on another ready engine."""
         target = await self._pick_target(admin)
         if target is None:
             self.report.faults_skipped += 1
             self.log(f"fault {kind}: no ready engine to hit, skipped")
-            return
-        key, pid = target
+            return True
+        key, pid, crashes = target
         f = Fault(kind=kind, model=key, pid=pid, t0=self.now())
         self.report.faults.append(f)
+        seen = True
         if kind == "kill":
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
             f.replaced_after = await self._wait_replaced(admin, key, pid, 60)
+            e = self._engine(await self.status(admin), key)
+            seen = e is not None and int(e.get("crashes") or 0) > crashes
             if f.replaced_after is None:
                 f.recovered, f.note = False, "the host still showed the killed pid after 60 s"
+            elif not seen:
+                f.note = "it landed on a stop the host had signalled: no crash to see"
         elif kind == "stop":
             os.kill(pid, signal.SIGSTOP)
             await trio.sleep(self.s.stop_seconds)
@@ -965,6 +986,7 @@ class Soak:
         f.t1 = self.now() + self.s.fault_grace
         took = f"replaced in {f.replaced_after:.1f}s" if f.replaced_after is not None else ""
         self.log(f"fault {kind} {key} pid {pid} {took} {f.note}".rstrip())
+        return seen
 
     async def faults_during(
         self, admin: httpx.AsyncClient, seconds: float, kinds: Iterator[str]
