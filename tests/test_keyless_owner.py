@@ -23,6 +23,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 
+from gezel_trio.api.auth import OPENING_TOKENS, conversation_opening
 from gezel_trio.config.schema import ModelConfig, apply_env, config_from_mapping
 from gezel_trio.engine.binary import EngineBinary
 from gezel_trio.errors import ConfigError
@@ -80,6 +81,21 @@ def test_owner_picks_the_session_the_keyless_owner_or_none() -> None:
     assert KEYS.owner(ANN, None, keyless="conversation") == ANN_KEYLESS
     with pytest.raises(ValueError, match="caller"):
         KEYS.owner("key-ann", None, keyless="blind")
+
+
+def test_a_conversation_is_named_by_its_opening_alone() -> None:
+    chat = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]}
+    later = {"messages": [*chat["messages"], {"role": "assistant", "content": "yo"}]}
+    assert conversation_opening(chat) == conversation_opening(later) is not None
+    ids = list(range(OPENING_TOKENS))
+    named = conversation_opening({"prompt": ids})
+    # a longer prompt, even one that goes on in text, opens alike: its tail is not read
+    assert conversation_opening({"prompt": [*ids, *range(3_500)]}) == named is not None
+    assert conversation_opening({"prompt": [*ids, "and then text"]}) == named
+    assert conversation_opening({"prompt": [1, 2]}) != named
+    assert conversation_opening({"prompt": ["a", "b"]}) is None  # several prompts
+    assert conversation_opening({"prompt": [1, "text", 2]}) is None
+    assert conversation_opening({}) is None
 
 
 def test_the_keyless_setting() -> None:

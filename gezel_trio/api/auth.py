@@ -260,7 +260,8 @@ def conversation_opening(body: Mapping[str, Any]) -> str | None:
     mode: a chat's system prompt and messages up to its first user message (every
     later turn repeats them), a Responses request's instructions and first input
     item, or the first 256 characters (64 tokens) of a prompt. None when the body has
-    none of these (the request goes to the caller's keyless owner)."""
+    none of these, or a token prompt does not open with 64 ids (the request goes to the
+    caller's keyless owner)."""
     messages = body.get("messages")
     if isinstance(messages, list) and messages:
         opening: list[Any] = [body.get("system")] if body.get("system") is not None else []
@@ -277,8 +278,10 @@ def conversation_opening(body: Mapping[str, Any]) -> str | None:
     prompt = body.get("prompt")
     if isinstance(prompt, str) and prompt:
         return _canonical(prompt[:OPENING_CHARS])
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return _canonical(prompt[:OPENING_TOKENS])
+    if isinstance(prompt, list) and prompt:
+        opening_ids = prompt[:OPENING_TOKENS]  # what follows does not name it: not read
+        if all(isinstance(t, int) for t in opening_ids):
+            return _canonical(opening_ids)
     return None
 
 
