@@ -9,6 +9,12 @@ Two modes:
   session starts when its parent's turn ``spawn_after - 1`` completes (with the parent,
   for ``spawn_after == 0``), and the parent's turn ``spawn_after`` waits for it to end.
 
+Requests due at the same trace instant (sessions that all start at 0) leave in the
+trace's order, each :data:`TIE_GAP` after the one before it was written: Trio wakes
+tasks due together in an order it reverses at random, so without this the targets of
+one run saw the opening burst in opposite orders, and which requests queued behind
+the long prefills differed between them (it moved a median TTFT by a third).
+
 A :class:`trio.CapacityLimiter` bounds the requests in flight; ``t_sent`` is when a
 request actually left (after the limiter), ``t_scheduled`` when the trace wanted it.
 TTFT, inter-token latencies and end-to-end latency are measured from ``t_sent``.
@@ -58,6 +64,31 @@ __all__ = [
 
 Mode = Literal["closed", "open"]
 KeyBy = Literal["session", "root"]
+Key = tuple[str, int]
+
+TIE_GAP = 0.002
+"""Seconds between two requests due at the same trace instant, counted from when the
+first was written (see the module)."""
+
+_WRITTEN = frozenset({"http11.send_request_body.complete", "http2.send_request_body.complete"})
+"""httpcore's trace events for a request written out."""
+
+
+def tie_order(trace: Trace, mode: Mode) -> dict[Key, Key]:
+    """For each request due at the same trace instant as an earlier one (closed: the
+    first turns of root sessions that start together; open: turns of one time), the
+    request it follows, in the trace's order."""
+    if mode == "open":
+        due = [(turn.t, turn.key) for turn in trace.requests()]
+    else:
+        due = [(s.start, s.turns[0].key) for s in trace.sessions if s.parent is None and s.turns]
+    after: dict[Key, Key] = {}
+    last: dict[float, Key] = {}
+    for t, key in due:
+        if t in last:
+            after[key] = last[t]
+        last[t] = key
+    return after
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -490,6 +521,9 @@ class _Replay:
                 oracle_tokens=self.oracle[turn.key],
                 owner=None if config.keyless else self.keys[turn.session],
             )
+        self.after = tie_order(trace, config.mode)
+        self.written = {k: trio.Event() for k in self.records}
+        """Set once a request has been written out (or has ended unsent)."""
         self.t0 = 0.0
         self.last_end = 0.0
         self.turn_done: dict[tuple[str, int], trio.Event] = {k: trio.Event() for k in self.records}
@@ -543,13 +577,18 @@ class _Replay:
     async def _send(self, turn: Turn) -> None:
         record = self.records[turn.key]
         record.t_scheduled = trio.current_time() - self.t0
+        before = self.after.get(turn.key)
         try:
+            if before is not None:
+                await self.written[before].wait()
+                await trio.sleep(TIE_GAP)
             if self.limiter is None:
                 await self._request(turn, record)
             else:
                 async with self.limiter:
                     await self._request(turn, record)
         finally:
+            self.written[turn.key].set()
             self.turn_done[turn.key].set()
             self.last_end = max(self.last_end, trio.current_time())
             self.progress.in_flight -= 1 if record.t_sent is not None else 0
@@ -575,6 +614,7 @@ class _Replay:
             endpoint_path(config.api),
             json=body,
             headers={} if config.keyless else _headers(self.keys[turn.session]),
+            extensions={"trace": self._on_written(turn.key)},
         )
         self.progress.in_flight += 1
         start = trio.current_time()
@@ -583,6 +623,7 @@ class _Replay:
         try:
             with trio.fail_after(config.request_timeout or math.inf):
                 resp = await self._send_with_retry(request, record)
+                self.written[turn.key].set()  # a transport that does not trace its writes
                 try:
                     if resp.status_code != 200:
                         text = (await resp.aread()).decode("utf-8", "replace")
@@ -610,6 +651,16 @@ class _Replay:
         finally:
             end = trio.current_time()
             self._fill(record, parser, start, end)
+
+    def _on_written(self, key: Key) -> Callable[[str, Mapping[str, Any]], Awaitable[None]]:
+        """httpcore's ``trace`` extension for request ``key``: sets ``written[key]``."""
+        written = self.written[key]
+
+        async def trace(name: str, info: Mapping[str, Any]) -> None:
+            if name in _WRITTEN:
+                written.set()
+
+        return trace
 
     async def _send_with_retry(
         self, request: httpx.Request, record: RequestRecord

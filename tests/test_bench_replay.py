@@ -32,7 +32,15 @@ from gezel_bench.cli import add_bench_arguments, bench, run_bench
 from gezel_bench.cli import main as bench_main
 from gezel_bench.errors import BenchError
 from gezel_bench.metrics import summarize
-from gezel_bench.replay import Progress, ReplayConfig, StreamParser, run_replay
+from gezel_bench.replay import (
+    TIE_GAP,
+    Progress,
+    ReplayConfig,
+    StreamParser,
+    run_replay,
+    session_keys,
+    tie_order,
+)
 from gezel_bench.synth import PromptSynthesizer
 from gezel_bench.targets import (
     EngineCommand,
@@ -420,6 +428,72 @@ async def test_open_loop_keeps_the_trace_clock(autojump_clock: Any) -> None:
     ttft = [r.ttft for r in result.records]
     assert ttft == pytest.approx([0.0, 3.5, 7.0])
     assert result.duration == pytest.approx(12.0)
+
+
+def _burst_trace(sessions: int) -> Trace:
+    """Sessions that all start at 0, two turns each, sharing nothing."""
+    out = tuple(
+        Session(
+            f"s{k}",
+            (
+                Turn(f"s{k}", 0, 0.0, 0.0, (1000 * k,), 6, 2),
+                Turn(f"s{k}", 1, 1.0, 0.1, (1000 * k, 1000 * k + 1), 10, 2),
+            ),
+        )
+        for k in range(sessions)
+    )
+    return Trace(4, "unit", out, {"time_scale": 1.0})
+
+
+def test_requests_due_together_follow_the_trace_order() -> None:
+    trace = _burst_trace(3)
+    # closed: the first turns of sessions that start together; later turns are not due
+    # at a trace instant but after their own answers
+    assert tie_order(trace, "closed") == {("s1", 0): ("s0", 0), ("s2", 0): ("s1", 0)}
+    assert tie_order(trace, "open") == {
+        ("s1", 0): ("s0", 0),
+        ("s2", 0): ("s1", 0),
+        ("s1", 1): ("s0", 1),
+        ("s2", 1): ("s1", 1),
+    }
+    assert tie_order(_chat_trace(sessions=3), "closed") == {}  # staggered starts: no ties
+
+
+async def test_a_burst_leaves_in_the_trace_order(autojump_clock: Any) -> None:
+    engine = FakeEngine(slots=4)
+    trace = _burst_trace(4)
+    async with fake_client(engine) as client:
+        result = await run_replay(
+            trace, _config(mode="closed"), client=client, progress_stream=None
+        )
+    first = [r for r in result.records if r.turn == 0]
+    assert [r.session for r in sorted(first, key=lambda r: r.t_sent or 0.0)] == [
+        "s0",
+        "s1",
+        "s2",
+        "s3",
+    ]
+    assert [r.t_sent for r in first] == pytest.approx([k * TIE_GAP for k in range(4)])
+    assert all(r.t_scheduled == 0.0 for r in first)  # what the trace wanted
+
+
+async def test_a_burst_reaches_a_real_server_in_the_trace_order() -> None:
+    """Over hypercorn: Trio wakes the tasks of a burst in an order it reverses at random
+    (about every other run), and each run must still arrive in the trace's order."""
+    trace = _burst_trace(6)
+    keys = session_keys(trace)
+    expected = [keys[s.id] for s in trace.sessions]
+    for _ in range(5):
+        engine = FakeEngine(slots=6)
+        with trio.fail_after(30):
+            async with serve_fake(engine) as url:
+                await run_replay(
+                    trace,
+                    ReplayConfig(base_url=url, api="llama", mode="closed", warmup=False),
+                    progress_stream=None,
+                )
+        firsts = [key for key, prompt, _, _ in engine.received if len(prompt) <= 6]
+        assert firsts == expected
 
 
 async def test_concurrency_limit_holds_requests_back(autojump_clock: Any) -> None:
