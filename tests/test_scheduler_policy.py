@@ -23,7 +23,7 @@ from gezel_trio.scheduler.admission import (
     choose_slot,
 )
 from gezel_trio.scheduler.jobs import JobKind, JobState, SlotMeasurement
-from gezel_trio.scheduler.policy import SchedulerPolicy
+from gezel_trio.scheduler.policy import SHORT_LOOKAHEAD, SchedulerPolicy
 from gezel_trio.scheduler.queues import Job, _JobDeque
 from gezel_trio.scheduler.slots import SlotTable
 
@@ -314,6 +314,97 @@ def test_affinity_off_is_plain_fifo() -> None:
     assert d.step() == [k1]
     d.settle(k1)
     assert d.step() == [s1b]
+
+
+def _job(d: Driver, session: str, blocks: int, *, reuse: int = 0, first: int = 0) -> Job:
+    """A queued completion of ``session`` whose prompt is ``blocks`` blocks (numbered
+    from ``first``), ``reuse`` of them in a parked copy."""
+    prefix = tuple(range(first, first + blocks))
+    return d.policy.enqueue(
+        Job(model_id="a", session=session, prefix=prefix, reuse=reuse), now=d.now
+    )
+
+
+def test_a_short_prefill_goes_before_a_long_head() -> None:
+    """An agent's next turn on its parked KV (2 new blocks) does not wait behind another
+    session's cold 40-block prompt; the head goes next."""
+    d = Driver("a", parallel=1, short_first_passes=4)
+    busy = d.submit("a", "busy")
+    d.step()
+    cold = _job(d, "cold", 40)
+    warm = _job(d, "warm", 20, reuse=18, first=100)
+    d.settle(busy)
+    assert d.step() == [warm]
+    assert cold.passed == 1 and d.policy.snapshot().short_first == 1
+    d.settle(warm)
+    assert d.step() == [cold]
+
+
+def test_a_long_head_is_passed_over_at_most_short_first_passes_times() -> None:
+    d = Driver("a", parallel=1, short_first_passes=2)
+    first = d.submit("a", "busy")
+    d.step()
+    cold = _job(d, "cold", 40)
+    shorts = [_job(d, f"s{i}", 4, first=100 * (i + 1)) for i in range(3)]
+    running = first
+    order = []
+    for _ in range(4):
+        d.settle(running)
+        (running,) = d.step()
+        order.append(running)
+    assert order == [shorts[0], shorts[1], cold, shorts[2]]
+
+
+def test_short_work_first_off_is_first_come_first_served() -> None:
+    d = Driver("a", parallel=1)  # the policy's default: 0 passes
+    busy = d.submit("a", "busy")
+    d.step()
+    cold = _job(d, "cold", 40)
+    _job(d, "warm", 20, reuse=18, first=100)
+    d.settle(busy)
+    assert d.step() == [cold]
+
+
+def test_what_a_job_may_start_from_counts_as_done() -> None:
+    """The blocks its owner's slot holds count as done; the same blocks in another
+    owner's slot do not (no caller sharing here)."""
+    d = Driver("a", parallel=2, affinity=False, short_first_passes=4)
+    own, hold = _job(d, "own", 30), _job(d, "hold", 30, first=900)
+    assert d.step() == [own, hold]
+    d.settle(own)  # slot 0 keeps own's 30 blocks; hold keeps slot 1 busy
+    cold = _job(d, "cold", 40, first=700)
+    stranger = _job(d, "stranger", 32)  # the same first 30 blocks, another owner
+    back = _job(d, "own", 32)  # own's next turn: 2 new blocks
+    assert d.step() == [back]
+    assert back.slot_id == 0 and cold.passed == 1 and stranger.state is JobState.QUEUED
+
+
+def test_a_job_of_unknown_work_neither_jumps_nor_is_passed_over() -> None:
+    d = Driver("a", parallel=1, short_first_passes=4)
+    busy = d.submit("a", "busy")
+    d.step()
+    unknown = d.submit("a", "unknown")  # no blocks
+    short = _job(d, "short", 2)
+    d.settle(busy)
+    assert d.step() == [unknown]
+    d.settle(unknown)
+    cold = _job(d, "cold", 40, first=100)
+    late = d.submit("a", "late")
+    assert d.step() == [short]
+    d.settle(short)
+    assert d.step() == [cold] and late.state is JobState.QUEUED
+
+
+def test_short_work_first_looks_only_a_few_jobs_behind_the_head() -> None:
+    d = Driver("a", parallel=1, short_first_passes=4)
+    busy = d.submit("a", "busy")
+    d.step()
+    cold = _job(d, "cold", 40)
+    for i in range(SHORT_LOOKAHEAD):
+        _job(d, f"long{i}", 40, first=100 * (i + 1))
+    _job(d, "short", 2, first=10_000)
+    d.settle(busy)
+    assert d.step() == [cold]
 
 
 def test_pins_are_distinct_and_exclude_running_pins() -> None:

@@ -108,6 +108,10 @@ class SchedulerConfig:
     affinity: bool = True
     affinity_max_wait: float = 1.0
     """Seconds a queued request may be passed over by sessions that hold slots."""
+    short_first_passes: int = 4
+    """Times a queued request with a long prefill (more than a batch of new tokens) may be
+    passed over by one with a short prefill, such as an agent's next turn on its parked
+    or held KV (0: first come, first served)."""
     erase_on_handoff: bool = True
     blind_handoff: bool = True
     """A slot handed to a new owner is not erased first: the request is sent with
@@ -514,6 +518,11 @@ def config_problems(
         "expected seconds >= 0 (0: off)",
     )
     check(cfg.scheduler.max_queue >= 1, "scheduler.max_queue", "expected at least 1")
+    check(
+        cfg.scheduler.short_first_passes >= 0,
+        "scheduler.short_first_passes",
+        "expected 0 (off) or more",
+    )
     check(
         cfg.scheduler.prefix_load_bound >= 0,
         "scheduler.prefix_load_bound",

@@ -409,13 +409,16 @@ class Host:
         assert self.scheduler is not None, "the host is not open"
         leading = self._leading(runtime, session, caller, lead)
         caller = self._sharing(runtime, session, caller)
+        # the copy a restore would take: its blocks count as no work (SHORT WORK FIRST)
+        parked = runtime.parked_blocks(session, prefix) if caller or prefix else None
         return self.scheduler.slot(
             runtime.id,
             session=session,
             keyless=keyless,
             prefix=prefix,
             caller=caller,
-            parked=caller is not None and runtime.is_parked(session, prefix),
+            parked=caller is not None and parked is not None,
+            reuse=shared_blocks(parked, prefix) if parked else 0,
             lead=leading,
             kind=kind,
             any_slot=any_slot,
@@ -822,6 +825,7 @@ async def open_host(config: Config, *, probe: Probe | None = None) -> AsyncItera
                     slot_poll=sched.slot_poll,
                     affinity=sched.affinity,
                     affinity_max_wait=sched.affinity_max_wait,
+                    short_first_passes=sched.short_first_passes,
                     erase_on_handoff=sched.erase_on_handoff,
                     blind_handoff=sched.blind_handoff,
                     kv_parking=sched.kv_parking,

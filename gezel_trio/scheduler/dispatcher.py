@@ -153,6 +153,7 @@ class Scheduler:
             max_queue=settings.max_queue,
             affinity=settings.affinity,
             affinity_max_wait=settings.affinity_max_wait,
+            short_first_passes=settings.short_first_passes,
             erase_on_handoff=settings.erase_on_handoff,
         )
         for model_id, lane in lanes.items():
@@ -228,6 +229,7 @@ class Scheduler:
         prefix: Prefix = (),
         caller: str | None = None,
         parked: bool = False,
+        reuse: int = 0,
         lead: Lead | None = None,
         kind: JobKind = "completion",
         any_slot: bool = False,
@@ -248,7 +250,9 @@ class Scheduler:
         (the engine cuts the slot back to what the two share; None: never, and never
         across callers); ``parked``: the owner has a parked copy for the request,
         so no such slot is sought for it (see
-        :func:`~gezel_trio.scheduler.admission.choose_slot`). ``lead``: the caller's
+        :func:`~gezel_trio.scheduler.admission.choose_slot`); ``reuse``: how many
+        blocks of ``prefix`` that parked copy holds (SHORT WORK FIRST counts them as
+        no work). ``lead``: the caller's
         lead (:meth:`~gezel_trio.kv.lead.Lead.for_caller`) that a slot holding nothing
         of the owner's is started from instead of erased (a model that cannot cut a
         slot back; see :mod:`gezel_trio.kv.lead`).
@@ -286,6 +290,7 @@ class Scheduler:
             prefix=tuple(prefix),
             caller=caller if session is not None else None,
             parked=parked,
+            reuse=reuse if session is not None else 0,
             lead=lead if session is not None else None,
             any_slot=any_slot,
             needs_slot=needs_slot and not any_slot and kind == "completion",

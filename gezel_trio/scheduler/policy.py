@@ -50,6 +50,13 @@ The rules, in the order the policy applies them (see the issue-3 seed):
    else is FIFO. An owner may hold several slots: a job goes to its owner's
    free slot that its request continues (:func:`choose_slot`), and two jobs of
    one owner never wait for each other while a slot is free.
+   SHORT WORK FIRST: when the FIFO head has a long prefill ahead of it (more than
+   :data:`SHORT_WORK` blocks of its prompt that neither a slot nor a parked copy
+   it may start from holds), the earliest of the next :data:`SHORT_LOOKAHEAD`
+   claimed jobs with a short one goes first, such as an agent's next turn on its
+   parked KV behind another session's cold prompt: it waits the head's prefill
+   otherwise, for a few blocks of its own. The head is passed over at most
+   ``short_first_passes`` times, each by at most a batch of prefill; then it goes.
 8. THE POOL. A family's members share their queued work. A job submitted with
    ``pool`` set (its session holds no KV anywhere, or it has none) may run on
    any member: a member with room takes such jobs from its siblings' claimed
@@ -84,6 +91,7 @@ from functools import partial
 
 from gezel_trio.errors import QueueFull, UnknownModel
 from gezel_trio.kv.lead import LeadStart
+from gezel_trio.kv.prefix import shared_blocks
 from gezel_trio.scheduler.admission import (
     Action,
     Admission,
@@ -105,7 +113,7 @@ from gezel_trio.scheduler.jobs import (
 )
 from gezel_trio.scheduler.pool import fail_over
 from gezel_trio.scheduler.queues import Job, _Family, _Model, detach
-from gezel_trio.scheduler.slots import SlotTable, SlotTableStats
+from gezel_trio.scheduler.slots import Content, SlotTable, SlotTableStats
 from gezel_trio.scheduler.stats import ActiveOp, SchedulerStats
 
 __all__ = ["SchedulerPolicy"]
@@ -114,9 +122,32 @@ _SWAP_GROUP = "*"
 
 _NOTHING = Admission()
 
+SHORT_WORK = 8
+"""Blocks of new prompt (about 64 tokens each: 512, one batch of llama-server's) that a
+job may have to compute and still count as short (SHORT WORK FIRST)."""
+SHORT_LOOKAHEAD = 8
+"""Claimed jobs behind the head that SHORT WORK FIRST looks at (a bound on the pass)."""
+
 
 def _seq(job: Job | None) -> float:
     return math.inf if job is None else job.seq
+
+
+def _work(job: Job, table: SlotTable) -> int | None:
+    """Blocks of ``job``'s prompt that the engine is expected to compute: its prefix
+    less the longest part of it that a slot it may use holds (its owner's, or one its
+    caller's sharing lets it start from) or its parked copy (``job.reuse``). None:
+    unknown (no blocks, or no slot to send to)."""
+    if not job.prefix or not job.needs_slot:
+        return None
+    reuse = job.reuse
+    if job.session is not None:
+        for entry in table.slots:
+            if entry.content is Content.OWNED and entry.session == job.session:
+                reuse = max(reuse, shared_blocks(entry.blocks, job.prefix))
+            else:
+                reuse = max(reuse, entry.shares_with(job.session, job.caller, job.prefix))
+    return len(job.prefix) - reuse
 
 
 # --------------------------------------------------------------------------- policy
@@ -129,7 +160,8 @@ class SchedulerPolicy:
     that has waited ``affinity_max_wait`` seconds goes first regardless (without it,
     chats that hold slots and come straight back, as agents do, starve a chat that
     holds none); ``erase_on_handoff`` off (a benchmark baseline, never for users)
-    skips the erase of another session's known KV before a handoff.
+    skips the erase of another session's known KV before a handoff;
+    ``short_first_passes`` bounds SHORT WORK FIRST (0: off).
     """
 
     def __init__(
@@ -141,6 +173,7 @@ class SchedulerPolicy:
         affinity: bool = True,
         erase_on_handoff: bool = True,
         affinity_max_wait: float = 1.0,
+        short_first_passes: int = 0,
     ) -> None:
         if residency not in RESIDENCIES:
             raise ValueError(f"residency must be 'swap' or 'coexist', not {residency!r}")
@@ -150,6 +183,7 @@ class SchedulerPolicy:
         self.max_queue = max_queue
         self.affinity = affinity
         self.affinity_max_wait = affinity_max_wait
+        self.short_first_passes = short_first_passes
         self.erase_on_handoff = erase_on_handoff
         self._models: dict[str, _Model] = {}
         self._families: dict[str, _Family] = {}
@@ -184,6 +218,7 @@ class SchedulerPolicy:
         self.held_out = 0  # slots found busy with work the host did not send
         self.failovers = 0  # queued jobs moved off a member that went down
         self.pooled = 0  # pool jobs a member took from a sibling's queue
+        self.short_first = 0  # jobs with a short prefill sent before a long head
         self.slot_polls = 0
         self.slot_measurements = 0
         self.slot_measure_failures = 0
@@ -700,7 +735,7 @@ class SchedulerPolicy:
 
         admitted: list[Job] = []
         while room > 0:
-            job = self._next(turn, model, holders, now)
+            job = self._next(turn, model, holders, now, table)
             if job is None:
                 break
             if job.any_slot:
@@ -760,15 +795,22 @@ class SchedulerPolicy:
         return pin
 
     def _next(
-        self, turn: _Turn, model: _Model, holders: Mapping[str, list[int]], now: float
+        self,
+        turn: _Turn,
+        model: _Model,
+        holders: Mapping[str, list[int]],
+        now: float,
+        table: SlotTable,
     ) -> Job | None:
         """Affinity: ``model``'s earliest job whose session holds a slot, else its FIFO
-        head. The FIFO head goes first anyway once it has waited ``affinity_max_wait``.
+        head, before which a job with a short prefill may go (SHORT WORK FIRST). The
+        FIFO head goes first anyway once it has waited ``affinity_max_wait`` (past
+        affinity) and once it has been passed over ``short_first_passes`` times.
         """
         head = turn.head_of(model)
-        if head is not None and now - head.submitted_at >= self.affinity_max_wait:
-            return head
-        if self.affinity and holders:
+        if head is None:
+            return None
+        if self.affinity and holders and now - head.submitted_at < self.affinity_max_wait:
             best: Job | None = None
             for session in holders:
                 job = turn.pending_for(model, session)
@@ -776,7 +818,32 @@ class SchedulerPolicy:
                     best = job
             if best is not None:
                 return best
-        return head
+        short = self._short_before(turn, model, head, table)
+        if short is None:
+            return head
+        head.passed += 1
+        self.short_first += 1
+        return short
+
+    def _short_before(self, turn: _Turn, model: _Model, head: Job, table: SlotTable) -> Job | None:
+        """The earliest of the :data:`SHORT_LOOKAHEAD` claimed jobs behind ``head`` whose
+        prefill is short, when ``head``'s is long and it may still be passed over."""
+        if head.passed >= self.short_first_passes:
+            return None
+        work = _work(head, table)
+        if work is None or work <= SHORT_WORK:
+            return None
+        seen = 0
+        for job in model.queue.prefix():
+            if job is head:
+                continue
+            if job.seq >= turn.bound or seen >= SHORT_LOOKAHEAD:
+                return None
+            seen += 1
+            short = _work(job, table)
+            if short is not None and short <= SHORT_WORK:
+                return job
+        return None
 
     def _start(
         self, model: _Model, job: Job, slot: int | None, now: float, *, queued: bool = True
@@ -989,6 +1056,7 @@ class SchedulerPolicy:
             },
             pool={"failovers": self.failovers, "pooled": self.pooled},
             admissions=self.admissions,
+            short_first=self.short_first,
             reconciliations=self.reconciliations,
             held_out=self.held_out,
             switches=self.switches,

@@ -33,6 +33,8 @@ class Job:
     prefix: Prefix = ()  # the request's prefix blocks (placement within its owner)
     caller: str | None = None  # its owner may share its caller's prefixes (None: no)
     parked: bool = False  # its owner has a parked copy for it (no shared prefix sought)
+    reuse: int = 0  # blocks of ``prefix`` it starts from outside a slot (a parked copy)
+    passed: int = 0  # times a job with a short prefill went before it (SHORT WORK FIRST)
     lead: Lead | None = None  # its caller's lead to start from (a model that cannot cut back)
     lead_tokens: int = 0  # tokens of that lead its slot holds for it (0: none)
     seq: int = -1

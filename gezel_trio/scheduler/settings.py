@@ -26,7 +26,9 @@ class SchedulerSettings:
     idle ``save_lone_delay`` (``inf``: never). ``blind_handoff``: a
     slot that must be emptied for its new owner is not erased; the request is sent
     with ``cache_prompt`` off instead, and the engine starts it from nothing (one
-    upstream call per handoff, as on a bare engine).
+    upstream call per handoff, as on a bare engine). ``short_first_passes``: how many
+    times a queued job with a long prefill may be passed over by jobs with a short
+    one (0: FIFO; see SHORT WORK FIRST in :mod:`.policy`).
     """
 
     residency: Residency = "swap"
@@ -34,6 +36,7 @@ class SchedulerSettings:
     slot_poll: float = 0.25
     affinity: bool = True
     affinity_max_wait: float = 1.0
+    short_first_passes: int = 4
     erase_on_handoff: bool = True
     blind_handoff: bool = True
     kv_parking: bool = True
@@ -47,6 +50,8 @@ class SchedulerSettings:
     save_lone_delay: float = 0.1
 
     def __post_init__(self) -> None:
+        if self.short_first_passes < 0:
+            raise ValueError(f"short_first_passes must be >= 0, not {self.short_first_passes}")
         if self.slot_poll <= 0:
             raise ValueError(f"slot_poll must be > 0, not {self.slot_poll}")
         if self.reconcile_interval <= 0:

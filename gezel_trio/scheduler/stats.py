@@ -46,6 +46,7 @@ class SchedulerStats:
     # alone and saved, restored from its snapshot, or failed; see gezel_trio.kv.lead)
     pool: dict[str, int]  # failovers (moved off a down member), pooled (taken by a sibling)
     admissions: int
+    short_first: int  # jobs with a short prefill admitted before a long FIFO head
     reconciliations: int
     held_out: int
     switches: int
@@ -92,6 +93,7 @@ class SchedulerStats:
             "parking": dict(self.parking),
             "pool": dict(self.pool),
             "admissions": self.admissions,
+            "short_first": self.short_first,
             "reconciliations": self.reconciliations,
             "held_out": self.held_out,
             "switches": self.switches,
