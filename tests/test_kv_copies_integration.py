@@ -241,3 +241,51 @@ async def test_a_growing_single_message_is_restored_from_its_parked_copy(
             assert after["ineffective"] == before["ineffective"] == 0
             cached, calls = await _turn(host, client, grown(2), session="stranger")
             assert cached == 0 and "restore" not in calls
+
+
+async def _answer_order(cfg: Any, cold: list[dict[str, str]]) -> tuple[list[str], int, int, int]:
+    """Conversation A's first turn, parked; then, while another job holds the one slot,
+    ``cold`` queues, then A's next turn. Returns the order the two were answered in,
+    A's cached tokens, the engine's truth for them, and the scheduler's short_first."""
+    order: list[str] = []
+    cached: dict[str, int] = {}
+    async with running(cfg) as (host, client):
+        truth = await _truth(host, client, MAIN, session="ref")
+        await _turn(host, client, _conversation(MAIN, 1), session="A")
+        await _slot_saved(host)
+        sched = host.scheduler
+        assert sched is not None
+
+        async def send(name: str, messages: list[dict[str, str]]) -> None:
+            body = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 2}
+            resp = await client.post(CHAT_PATH, json={**body, "prompt_cache_key": name})
+            order.append(name)  # when its answer came (one slot: in the order they ran)
+            assert resp.status_code == 200, resp.text
+            cached[name] = int(resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+        async with trio.open_nursery() as nursery, host.slot(host.models["tiny"], session="x"):
+            nursery.start_soon(send, "cold", cold)
+            await wait_until(lambda: sched.statistics().queued == 1, within=30)
+            nursery.start_soon(send, "A", _conversation(MAIN, 2))
+            await wait_until(lambda: sched.statistics().queued == 2, within=30)
+        return order, cached["A"], truth, sched.statistics().short_first
+
+
+async def test_an_agents_next_turn_on_its_parked_kv_goes_before_a_cold_prompt(
+    tiny_model: Path, state_dir: Path, engine_binary: EngineBinary
+) -> None:
+    """One slot, held by another job. A long new conversation queues first, then A's
+    next turn, whose first turn is parked. With short work first (the default) A's turn
+    is answered first, from its parked copy (the engine's cached count is the truth
+    measured on a slot that kept it); with ``short_first_passes = 0`` the queue is
+    first come, first served."""
+    cold = _conversation(SUB * 8, 1)  # about 2,700 characters: more than 8 blocks, all new
+    for passes, first in ((4, "A"), (0, "cold")):
+        state = state_dir / f"passes{passes}"
+        state.mkdir()
+        cfg = _config(tiny_model, state, engine_binary, scheduler={"short_first_passes": passes})
+        with trio.fail_after(240):
+            order, cached, truth, short_first = await _answer_order(cfg, cold)
+        assert order[0] == first
+        assert cached == truth  # from its parked copy, either way
+        assert short_first == (1 if passes else 0)
