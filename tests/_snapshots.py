@@ -44,6 +44,7 @@ def scheduler(**fields: Any) -> SchedulerStats:
         parking={},
         pool={},
         admissions=0,
+        short_first=0,
         reconciliations=0,
         held_out=0,
         switches=0,
