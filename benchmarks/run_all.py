@@ -95,6 +95,7 @@ BENCHES = (
         _module("abandoned_requests", "--rounds", "1"),
     ),
     Bench("front_cost", _module("front_cost"), _module("front_cost", "--requests", "100")),
+    Bench("steady_turns", _module("steady_turns"), _module("steady_turns", "--turns", "8")),
     Bench("python_calls", _module("python_calls"), _module("python_calls", "--requests", "50")),
     Bench("prompt_cost", _module("prompt_cost"), _module("prompt_cost", "--repeats", "30")),
     Bench(
