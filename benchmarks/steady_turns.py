@@ -74,18 +74,11 @@ def _engine_argv(host_log: Path, port: int) -> list[str]:
     for line in host_log.read_text().splitlines():
         if '"engine_starting"' in line:
             argv: list[str] = json.loads(line)["argv"]
-            out: list[str] = []
-            skip = False
-            for arg in argv:
-                if skip:
-                    skip = False
-                    continue
-                if arg == "--slot-save-path":
-                    skip = True
-                    continue
-                out.append(arg)
-            out[out.index("--port") + 1] = str(port)
-            return out
+            if "--slot-save-path" in argv:
+                at = argv.index("--slot-save-path")
+                del argv[at : at + 2]
+            argv[argv.index("--port") + 1] = str(port)
+            return argv
     raise SystemExit(f"the host's log names no engine argv: {host_log}")
 
 
